@@ -1,0 +1,3 @@
+from hopsched.cli import main
+
+main()

@@ -1,0 +1,282 @@
+"""``hopsched`` command line: parse, configure logging, call one coroutine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from datetime import datetime
+from typing import Any, TypeVar
+
+import aio_pika
+import aiormq
+import click
+
+from hopsched.connect import connect
+from hopsched.demo import run_demo
+from hopsched.durations import parse_duration
+from hopsched.errors import HopschedError
+from hopsched.relay import Relay
+from hopsched.scheduler import Scheduler
+from hopsched.settings import Settings
+from hopsched.topology import Topology
+
+__all__ = ["main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _connection_options(command: F) -> F:
+    """--url, --prefix, --queue-type; each defaults to its HOPSCHED_* variable."""
+    for option in reversed(
+        [
+            click.option("--url", help="AMQP URL [env HOPSCHED_URL; default local guest]."),
+            click.option("--prefix", help="Namespace of the broker objects [HOPSCHED_PREFIX]."),
+            click.option(
+                "--queue-type",
+                type=click.Choice(["quorum", "classic"]),
+                help="Queue type of the ladder [HOPSCHED_QUEUE_TYPE; default quorum].",
+            ),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return Settings.from_env(**overrides)
+    except HopschedError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coroutine``; a HopschedError becomes a one-line error and exit status 1."""
+    try:
+        return asyncio.run(coroutine)
+    except HopschedError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _parse_at(_: click.Context, __: click.Parameter, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        at = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use ISO 8601, e.g. 2030-01-01T09:00:00Z") from None
+    if at.tzinfo is None:
+        raise click.BadParameter(
+            f"{value!r} has no UTC offset; add one, e.g. {value}Z or {value}+01:00"
+        )
+    return at
+
+
+def _parse_in(_: click.Context, __: click.Parameter, value: str | None) -> Any:
+    try:
+        return None if value is None else parse_duration(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """hopsched: deliver RabbitMQ messages at a future instant, never early."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not verbose:  # aio-pika/aiormq log reconnect internals at INFO/WARNING
+        logging.getLogger("aiormq").setLevel(logging.ERROR)
+        logging.getLogger("aio_pika").setLevel(logging.ERROR)
+
+
+@main.command()
+@_connection_options
+@click.option("--prefetch", type=click.IntRange(1, 65535), help="Deliveries held at once.")
+def relay(
+    url: str | None, prefix: str | None, queue_type: str | None, prefetch: int | None
+) -> None:
+    """Run the relay daemon until SIGINT or SIGTERM; logs totals once a minute."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type, prefetch=prefetch)
+
+    async def serve() -> None:
+        daemon = Relay(settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.stop()))
+        await daemon.run()
+
+    _run(serve())
+
+
+@main.command()
+@_connection_options
+@click.option("--at", "at", callback=_parse_at, help="Due time, ISO 8601 with offset.")
+@click.option("--in", "delay", callback=_parse_in, help="Delay: 250ms, 90s, 5m, 2h, 1d.")
+@click.option(
+    "--routing-key",
+    "-k",
+    required=True,
+    help="Target routing key (queue name for the default exchange).",
+)
+@click.option("--exchange", "-x", default="", show_default=True, help="Target exchange.")
+@click.option("--body", help="Message body text.")
+@click.option("--body-file", type=click.File("rb"), help="Message body from a file (- = stdin).")
+@click.option("--header", "headers", multiple=True, metavar="K=V", help="Header (string).")
+@click.option("--content-type", help="content_type property, e.g. application/json.")
+def schedule(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    at: datetime | None,
+    delay: Any,
+    routing_key: str,
+    exchange: str,
+    body: str | None,
+    body_file: Any,
+    headers: tuple[str, ...],
+    content_type: str | None,
+) -> None:
+    """Schedule one message; prints its schedule id and due time (UTC)."""
+    if (at is None) == (delay is None):
+        raise click.UsageError("give exactly one of --at and --in")
+    if body is not None and body_file is not None:
+        raise click.UsageError("give at most one of --body and --body-file")
+    header_table: dict[str, Any] = {}
+    for item in headers:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: write K=V", param_hint="--header")
+        header_table[key] = value
+    payload = body_file.read() if body_file is not None else (body or "").encode()
+    message = aio_pika.Message(
+        payload,
+        headers=header_table,
+        content_type=content_type,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+
+    async def go() -> None:
+        async with Scheduler(settings) as scheduler:
+            result = await scheduler.schedule(
+                message, at=at, delay=delay, exchange=exchange, routing_key=routing_key
+            )
+        click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}")
+
+    _run(go())
+
+
+@main.command()
+@_connection_options
+def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None:
+    """Declare the ladder, relay and parked queues (idempotent) and print them."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    topology = Topology.from_settings(settings)
+
+    async def go() -> None:
+        connection = await connect(settings)
+        async with connection:
+            await topology.declare(connection)
+
+    _run(go())
+    click.echo(f"declared on {settings.masked_url}:")
+    click.echo(f"  exchange {topology.expired_exchange} (direct) -> queue {topology.relay_queue}")
+    for name, arguments in topology.queues().items():
+        click.echo(f"  queue {name} {json.dumps(arguments, sort_keys=True)}")
+
+
+@main.command()
+@_connection_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(url: str | None, prefix: str | None, queue_type: str | None, as_json: bool) -> None:
+    """Depth of every step queue, the relay and parked queues; relay consumers."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    topology = Topology.from_settings(settings)
+
+    async def go() -> dict[str, dict[str, int] | None]:
+        connection = await connect(settings)
+        depths: dict[str, dict[str, int] | None] = {}
+        async with connection:
+            for name in topology.queues():
+                channel = await connection.channel()
+                try:
+                    ok = await (await channel.get_underlay_channel()).queue_declare(
+                        name, passive=True
+                    )
+                    depths[name] = {
+                        "messages": ok.message_count or 0,
+                        "consumers": ok.consumer_count or 0,
+                    }
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    depths[name] = None  # not declared yet
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
+        return depths
+
+    depths: dict[str, dict[str, int] | None] = _run(go())
+    relay_info = depths.get(topology.relay_queue) or {}
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "url": settings.masked_url,
+                    "prefix": settings.prefix,
+                    "queues": depths,
+                    "relay_consumers": relay_info.get("consumers", 0),
+                },
+                indent=2,
+            )
+        )
+        return
+    click.echo(f"{settings.masked_url} prefix {settings.prefix}")
+    for name, info in depths.items():
+        shown = "missing" if info is None else f"{info['messages']:>9} messages"
+        click.echo(f"  {name:<40} {shown}")
+    click.echo(f"relay consumers: {relay_info.get('consumers', 0)}")
+
+
+@main.command()
+@_connection_options
+@click.option("--count", default=300, show_default=True, type=click.IntRange(1, 1_000_000))
+@click.option(
+    "--max-delay",
+    default="60s",
+    show_default=True,
+    callback=_parse_in,
+    help="Longest delay; delays are log-uniform from 10 ms to this.",
+)
+@click.option(
+    "--rate",
+    default=200.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Messages scheduled per second.",
+)
+@click.option("--seed", type=int, help="Random seed for the delays.")
+def demo(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    count: int,
+    max_delay: Any,
+    rate: float,
+    seed: int | None,
+) -> None:
+    """Run a relay in-process, schedule COUNT real messages, print how late they came."""
+    settings = _settings(url=url, prefix=prefix or "hopsched-demo", queue_type=queue_type)
+    max_delay_s = max_delay.total_seconds()
+    if max_delay_s <= 0.01:
+        raise click.BadParameter("must be more than 10ms", param_hint="--max-delay")
+    report = _run(run_demo(settings, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed))
+    click.echo(report.table())
+    if not report.ok:
+        click.echo(f"FAILED: {report.early} early, {report.lost} lost", err=True)
+        sys.exit(1)

@@ -1,0 +1,31 @@
+"""Wall-clock time as integer microseconds since the Unix epoch (UTC), and conversions."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+__all__ = ["datetime_to_us", "now_us", "timedelta_to_us", "us_to_datetime"]
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+
+
+def now_us() -> int:
+    """The wall clock, integer microseconds since the Unix epoch (UTC)."""
+    return time.time_ns() // 1_000
+
+
+def datetime_to_us(value: datetime) -> int:
+    """An aware datetime as integer microseconds since the epoch (exact, no float)."""
+    return (value - _EPOCH) // _US
+
+
+def timedelta_to_us(value: timedelta) -> int:
+    """A timedelta as integer microseconds (exact, no float)."""
+    return value // _US
+
+
+def us_to_datetime(value_us: int) -> datetime:
+    """Microseconds since the epoch as an aware UTC datetime."""
+    return _EPOCH + timedelta(microseconds=value_us)

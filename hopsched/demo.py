@@ -1,0 +1,187 @@
+"""The demo: a relay in-process, real messages scheduled, received and measured."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import aio_pika
+
+from hopsched.clock import now_us
+from hopsched.connect import connect
+from hopsched.envelope import DeliveryInfo
+from hopsched.relay import Relay
+from hopsched.scheduler import Scheduler
+from hopsched.settings import Settings
+from hopsched.stats import LatenessStats
+
+__all__ = ["DemoReport", "log_uniform_delays", "run_demo"]
+
+_GRACE_S = 10.0  # how long past the last due time a message may still arrive
+
+
+@dataclass
+class DemoReport:
+    """What the demo measured. Lateness = receive instant - due time, at the consumer."""
+
+    scheduled: int = 0
+    delivered: int = 0
+    duplicates: int = 0
+    hops: list[int] = field(default_factory=list)
+    lateness: LatenessStats = field(default_factory=LatenessStats)
+
+    @property
+    def lost(self) -> int:
+        return self.scheduled - self.delivered
+
+    @property
+    def early(self) -> int:
+        return self.lateness.early
+
+    @property
+    def ok(self) -> bool:
+        return self.early == 0 and self.lost == 0
+
+    def table(self) -> str:
+        hops_mean = sum(self.hops) / len(self.hops) if self.hops else 0.0
+        rows = [
+            ("scheduled", f"{self.scheduled}"),
+            ("delivered", f"{self.delivered}"),
+            ("duplicates", f"{self.duplicates}"),
+            ("early", f"{self.early}"),
+            ("lost", f"{self.lost}"),
+            ("lateness p50 (ms)", f"{self.lateness.percentile_ms(50):.2f}"),
+            ("lateness p99 (ms)", f"{self.lateness.percentile_ms(99):.2f}"),
+            ("lateness max (ms)", f"{self.lateness.max_ms:.2f}"),
+            ("hops mean", f"{hops_mean:.2f}"),
+            ("hops max", f"{max(self.hops, default=0)}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"| {'measure':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+        lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
+        return "\n".join(lines)
+
+
+def log_uniform_delays(count: int, low_s: float, high_s: float, seed: int | None) -> list[float]:
+    """``count`` delays in seconds spread log-uniformly over [low_s, high_s]."""
+    rng = random.Random(seed)
+    low, high = math.log(low_s), math.log(high_s)
+    return [math.exp(rng.uniform(low, high)) for _ in range(count)]
+
+
+async def run_demo(
+    settings: Settings,
+    *,
+    count: int,
+    max_delay_s: float,
+    min_delay_s: float = 0.01,
+    rate: float = 200.0,
+    seed: int | None = None,
+    out: TextIO = sys.stderr,
+) -> DemoReport:
+    """Run a relay, schedule ``count`` messages to a demo queue, wait for them, measure.
+
+    Messages are scheduled at ``rate`` per second with delays log-uniform in
+    [``min_delay_s``, ``max_delay_s``]; lateness is measured at the demo's consumer.
+
+    Progress goes to ``out``. The ladder of ``settings.prefix`` stays declared for the
+    next run; the demo's target queue is exclusive and goes with the connection.
+
+    Raises:
+        BrokerUnavailableError, TopologyMismatchError: as Scheduler and Relay do.
+    """
+    report = DemoReport()
+    seen: set[str] = set()
+    everything = asyncio.Event()
+    target = f"{settings.prefix}.demo-target"
+
+    def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        received = now_us()
+        info = DeliveryInfo.from_headers(message.headers)
+        if info.schedule_id in seen:
+            report.duplicates += 1
+            return
+        seen.add(info.schedule_id)
+        report.delivered += 1
+        report.lateness.record(received - info.due_us)
+        report.hops.append(info.hops)
+        if report.delivered == count:
+            everything.set()
+
+    relay = Relay(settings)
+    relay_task = asyncio.create_task(relay.run())
+    connection = await connect(settings, name="hopsched-demo")
+    try:
+        await asyncio.wait(
+            {relay_task, asyncio.create_task(relay.wait_consuming())},
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if relay_task.done():
+            relay_task.result()  # raises the relay's error
+        channel = await connection.channel()
+        queue = await channel.declare_queue(target, exclusive=True)
+        await queue.consume(_acking(on_message), no_ack=False)
+        delays = log_uniform_delays(count, min_delay_s, max_delay_s, seed)
+        out.write(
+            f"scheduling {count} messages, delays {min_delay_s * 1000:g} ms to "
+            f"{max_delay_s:g} s (log-uniform), {rate:g}/s, to queue {target} "
+            f"via {settings.masked_url}\n"
+        )
+        async with Scheduler(settings) as scheduler:
+
+            async def schedule_one(number: int, delay: float) -> None:
+                body = f"demo message {number}, delay {delay * 1000:.1f} ms".encode()
+                await scheduler.schedule(body, delay=delay, routing_key=target)
+                report.scheduled += 1
+
+            # Paced like a real producer: a burst would make short delays late by the
+            # time the burst takes to publish, which says nothing about the ladder.
+            publishes = []
+            for number, delay in enumerate(delays):
+                publishes.append(asyncio.create_task(schedule_one(number, delay)))
+                await asyncio.sleep(1 / rate)
+            await asyncio.gather(*publishes)
+        deadline = now_us() + int((max_delay_s + _GRACE_S) * 1_000_000)
+        await _wait_with_progress(everything, deadline, lambda: report.delivered, count, out)
+    finally:
+        await relay.stop()
+        with contextlib.suppress(Exception):
+            await relay_task
+        await connection.close()
+    return report
+
+
+def _acking(
+    handle: Callable[[aio_pika.abc.AbstractIncomingMessage], None],
+) -> Callable[[aio_pika.abc.AbstractIncomingMessage], asyncio.Future[None]]:
+    async def consume(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        handle(message)
+        await message.ack()
+
+    return consume  # type: ignore[return-value]
+
+
+async def _wait_with_progress(
+    done: asyncio.Event, deadline_us: int, delivered: Callable[[], int], count: int, out: TextIO
+) -> None:
+    interactive = out.isatty()
+    last_line = 0.0
+    while not done.is_set() and now_us() < deadline_us:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 0.5)
+        remaining_s = max(0.0, (deadline_us - now_us()) / 1e6 - _GRACE_S)
+        line = f"delivered {delivered()}/{count}, last due in {remaining_s:5.1f} s"
+        if interactive:
+            out.write(f"\r{line}")
+        elif now_us() / 1e6 - last_line >= 5:
+            out.write(line + "\n")
+            last_line = now_us() / 1e6
+        out.flush()
+    if interactive:
+        out.write("\n")

@@ -1,0 +1,132 @@
+"""The ladder: power-of-two TTL steps and the hop planner. Pure: no I/O, no clock.
+
+Every time is an integer count of microseconds since the Unix epoch (UTC) or a
+duration in microseconds; step TTLs are milliseconds, as RabbitMQ's
+``x-message-ttl`` is (https://www.rabbitmq.com/docs/ttl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BROKER_MAX_TTL_MS", "Hold", "Hop", "Ladder"]
+
+#: RabbitMQ caps ``x-message-ttl`` at 10 years (RabbitMQ >= 3.10.2,
+#: https://www.rabbitmq.com/docs/ttl#per-queue-message-ttl).
+BROKER_MAX_TTL_MS = 315_360_000_000
+
+US_PER_MS = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """Publish into the step queue whose TTL is ``step_ms`` milliseconds."""
+
+    step_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """No step fits: wait ``wait_us`` microseconds in-process (0: deliver now)."""
+
+    wait_us: int
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ladder:
+    """The steps (TTLs 2^k ms from ``min_step_ms`` to ``max_step_ms``) and the planner.
+
+    Args:
+        min_step_ms: smallest step TTL in ms, a power of two.
+        max_step_ms: largest step TTL in ms, a power of two, at most
+            ``BROKER_MAX_TTL_MS``; longer delays reuse it as often as needed.
+        hold_window_ms: remaining time (ms) at or below which the relay stops hopping
+            and waits in-process until the due time.
+        hop_margin_ms: time (ms) kept in hand for one hop's overshoot (TTL expiry,
+            dead-lettering and delivery to the relay take 2.5-3 ms past the TTL on
+            this project's machine, ``shared/DESIGN.md``): a step is chosen only if
+            ``step + margin <= remaining``, so a hop returns before the due time.
+
+    Raises:
+        InvalidScheduleError: a step is not a power of two, the steps are out of order,
+            the top step exceeds the broker's TTL cap, or a window is negative.
+    """
+
+    min_step_ms: int = 16
+    max_step_ms: int = 2**32
+    hold_window_ms: int = 50
+    hop_margin_ms: int = 20
+
+    def __post_init__(self) -> None:
+        from hopsched.errors import InvalidScheduleError
+
+        for name in ("min_step_ms", "max_step_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value):
+                raise InvalidScheduleError(
+                    f"{name}={value!r}: step TTLs must be powers of two in ms (e.g. 16, 1024)"
+                )
+        if self.min_step_ms > self.max_step_ms:
+            raise InvalidScheduleError(
+                f"min_step_ms={self.min_step_ms} is above max_step_ms={self.max_step_ms}: swap them"
+            )
+        if self.max_step_ms > BROKER_MAX_TTL_MS:
+            raise InvalidScheduleError(
+                f"max_step_ms={self.max_step_ms} exceeds RabbitMQ's TTL cap of "
+                f"{BROKER_MAX_TTL_MS} ms: use 2**32 (about 49.7 days) or less"
+            )
+        for name in ("hold_window_ms", "hop_margin_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidScheduleError(f"{name}={value!r}: must be an integer >= 0 ms")
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """Every step TTL in ms, smallest first."""
+        low, high = self.min_step_ms.bit_length(), self.max_step_ms.bit_length()
+        return tuple(1 << (k - 1) for k in range(low, high + 1))
+
+    def plan(self, *, now_us: int, due_us: int) -> Hop | Hold:
+        """Decide what to do with a message due at ``due_us`` when it is ``now_us``.
+
+        Returns ``Hop(step)`` for the largest step with ``step + hop_margin <= remaining``
+        while more than the hold window remains, else ``Hold(wait)`` with
+        ``wait = max(0, remaining)``. A hop never outlasts the remaining time, so
+        following the plan is never early; the remaining time at least halves per hop
+        below the top step, so the plan terminates.
+        """
+        remaining_us = due_us - now_us
+        if remaining_us <= self.hold_window_ms * US_PER_MS:
+            return Hold(max(0, remaining_us))
+        budget_ms = (remaining_us - self.hop_margin_ms * US_PER_MS) // US_PER_MS
+        if budget_ms < self.min_step_ms:
+            return Hold(remaining_us)
+        if budget_ms >= self.max_step_ms:
+            return Hop(self.max_step_ms)
+        return Hop(1 << (budget_ms.bit_length() - 1))
+
+    def route(self, delay_us: int, overshoot_us: int = 0) -> list[int]:
+        """The steps (ms) a message with ``delay_us`` to go passes through.
+
+        Simulates the relay with every hop returning ``overshoot_us`` after its TTL.
+        Used to check a plan without waiting (e.g. for delays of years).
+        """
+        now_us, steps = 0, []
+        while isinstance(action := self.plan(now_us=now_us, due_us=delay_us), Hop):
+            steps.append(action.step_ms)
+            now_us += action.step_ms * US_PER_MS + overshoot_us
+        return steps
+
+    def max_hops(self, delay_us: int) -> int:
+        """An upper bound on the hops for ``delay_us``: top-step laps plus one per smaller step.
+
+        With any overshoot below the margin the planner uses each step below the top at
+        most once, so this bound is ``ceil(delay / max_step) + log2(max_step / min_step)``
+        and for delays within the ladder about ``log2(delay / min_step) + 1``.
+        """
+        top_laps = -(-delay_us // (self.max_step_ms * US_PER_MS))
+        return top_laps + len(self.steps) - 1

@@ -1,0 +1,320 @@
+"""The relay: consume ``{prefix}.relay``, then hop, hold-and-deliver, or park.
+
+Reliability (``shared/DESIGN.md``): a delivery is acked only after the publish it
+leads to (next hop, final delivery or parking) is confirmed by the broker, so a
+crash duplicates, never loses. Deliveries are handled concurrently (aiormq runs
+each consumer callback as a task; ``prefetch`` bounds how many), and none waits
+longer than the hold window, so RabbitMQ's ``consumer_timeout`` is never reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aiormq
+from aiormq.abc import DeliveredMessage
+
+from hopsched.clock import now_us
+from hopsched.connect import connect
+from hopsched.envelope import (
+    Envelope,
+    delivery_headers,
+    hop_headers,
+    parked_headers,
+)
+from hopsched.errors import BrokerUnavailableError, EnvelopeError
+from hopsched.ladder import Hop
+from hopsched.publisher import ConfirmedPublisher, TargetRefused, Unroutable, with_properties
+from hopsched.settings import Settings
+from hopsched.stats import LatenessStats
+from hopsched.topology import Topology
+
+__all__ = ["Relay", "RelayTotals"]
+
+log = logging.getLogger("hopsched.relay")
+
+PERSISTENT = 2
+HEADER_USER_ID = "x-hopsched-user-id"  # a parked message's user_id (see _park)
+_CONNECTION_LOST = (aiormq.exceptions.AMQPConnectionError, ConnectionError, OSError)
+_RECONNECT_FIRST_S, _RECONNECT_MAX_S = 0.5, 30.0
+_PARK_RETRY_S = 1.0
+
+
+@dataclass
+class RelayTotals:
+    """Counts since the relay started, and lateness of its final publishes.
+
+    ``lateness`` is measured at the relay: publish confirmed - due time.
+    """
+
+    delivered: int = 0
+    hops: int = 0
+    parked: int = 0
+    lateness: LatenessStats = field(default_factory=LatenessStats)
+
+
+class Relay:
+    """The relay daemon's loop. ``await relay.run()`` until ``await relay.stop()``.
+
+    Raises (from ``run``):
+        BrokerUnavailableError: the first connection fails (later losses are retried
+            with back-off, 0.5 s doubling to 30 s, each attempt logged with the URL masked).
+        TopologyMismatchError: the prefix's queues exist with other arguments.
+    """
+
+    def __init__(
+        self, settings: Settings | None = None, *, shutdown_timeout_s: float = 10.0
+    ) -> None:
+        self.settings = settings or Settings()
+        self.topology = Topology.from_settings(self.settings)
+        self.totals = RelayTotals()
+        self._ladder = self.settings.ladder
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._stopping = asyncio.Event()
+        self._consuming = asyncio.Event()
+        self._handlers: set[asyncio.Task[Any]] = set()
+
+    async def wait_consuming(self) -> None:
+        """Return once the relay is connected and consuming."""
+        await self._consuming.wait()
+
+    async def stop(self) -> None:
+        """Ask ``run()`` to stop: it cancels the consumer, finishes what it holds, returns."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Consume until ``stop()``, reconnecting after a lost connection."""
+        reporter = asyncio.create_task(self._report_periodically())
+        try:
+            await self._run()
+        finally:
+            reporter.cancel()
+            self._report()
+
+    async def _run(self) -> None:
+        delay, attempt = _RECONNECT_FIRST_S, 0
+        while not self._stopping.is_set():
+            try:
+                connection = await connect(self.settings, name="hopsched-relay")
+            except BrokerUnavailableError as error:
+                if attempt == 0:
+                    raise
+                attempt += 1
+                log.warning(
+                    "reconnect attempt %d failed: %s; next in %.1f s", attempt, error, delay
+                )
+                await self._sleep_unless_stopping(delay)
+                delay = min(delay * 2, _RECONNECT_MAX_S)
+                continue
+            if attempt:
+                log.info("reconnected to %s after %d attempt(s)", self.settings.masked_url, attempt)
+            delay, attempt = _RECONNECT_FIRST_S, 1
+            try:
+                await self._serve(connection)
+            except _CONNECTION_LOST as error:
+                log.warning(
+                    "lost the connection to %s (%s); reconnecting",
+                    self.settings.masked_url,
+                    error or type(error).__name__,
+                )
+            finally:
+                self._consuming.clear()
+                with contextlib.suppress(Exception):
+                    await connection.close()
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _serve(self, connection: aio_pika.abc.AbstractConnection) -> None:
+        await self.topology.declare(connection)
+        publisher = ConfirmedPublisher(connection)
+        channel = await connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=self.settings.prefetch)
+        consumer = await channel.get_underlay_channel()
+        lost = asyncio.Event()
+        connection.close_callbacks.add(lambda *_: lost.set())
+        channel.close_callbacks.add(lambda *_: lost.set())
+
+        async def on_delivery(delivered: DeliveredMessage) -> None:
+            await self._handle(consumer, publisher, delivered)
+
+        consume_ok = await consumer.basic_consume(self.topology.relay_queue, on_delivery)
+        self._consuming.set()
+        log.info(
+            "relay consuming %s on %s (prefetch %d, %s ladder %d..%d ms)",
+            self.topology.relay_queue,
+            self.settings.masked_url,
+            self.settings.prefetch,
+            self.settings.queue_type,
+            self.settings.min_step_ms,
+            self.settings.max_step_ms,
+        )
+        stop_wait = asyncio.create_task(self._stopping.wait())
+        lost_wait = asyncio.create_task(lost.wait())
+        await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        lost_wait.cancel()
+        if lost.is_set():
+            raise ConnectionError("channel or connection closed by the broker")
+        await consumer.basic_cancel(consume_ok.consumer_tag or "")
+        await self._drain()
+        await publisher.close()
+
+    async def _drain(self) -> None:
+        """Let in-flight deliveries finish (each waits at most the hold window)."""
+        if not self._handlers:
+            return
+        log.info("finishing %d in-flight deliveries", len(self._handlers))
+        _, pending = await asyncio.wait(set(self._handlers), timeout=self._shutdown_timeout_s)
+        for task in pending:  # unacked: the broker redelivers them when the channel closes
+            task.cancel()
+
+    async def _handle(
+        self,
+        consumer: aiormq.abc.AbstractChannel,
+        publisher: ConfirmedPublisher,
+        delivered: DeliveredMessage,
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await self._route(publisher, delivered)
+            await consumer.basic_ack(delivered.delivery_tag or 0)
+        except (*_CONNECTION_LOST, aiormq.exceptions.ChannelInvalidStateError):
+            pass  # unacked: redelivered after reconnect (at-least-once)
+        except Exception:
+            log.exception(
+                "could not relay or park a delivery; it stays on %s and comes back",
+                self.topology.relay_queue,
+            )
+            await asyncio.sleep(_PARK_RETRY_S)  # no hot loop on a persistent failure
+            with contextlib.suppress(Exception):
+                await consumer.basic_nack(delivered.delivery_tag or 0, requeue=True)
+        finally:
+            self._handlers.discard(task)
+
+    async def _route(self, publisher: ConfirmedPublisher, delivered: DeliveredMessage) -> None:
+        """Publish ``delivered`` onward (hop, final delivery or parking), confirmed."""
+        properties = delivered.header.properties
+        try:
+            envelope = Envelope.from_headers(properties.headers)
+        except EnvelopeError as error:
+            await self._park(publisher, delivered, f"malformed envelope: {error.reason}")
+            return
+        action = self._ladder.plan(now_us=now_us(), due_us=envelope.due_us)
+        if isinstance(action, Hop):
+            try:
+                await publisher.publish(
+                    delivered.body,
+                    with_properties(
+                        properties,
+                        headers=hop_headers(properties.headers, envelope.hops + 1),
+                        expiration=None,
+                        delivery_mode=PERSISTENT,
+                    ),
+                    exchange="",
+                    routing_key=self.topology.step_queue(action.step_ms),
+                )
+            except Unroutable as error:
+                await self._park(publisher, delivered, f"step queue missing: {error}")
+                return
+            self.totals.hops += 1
+            return
+        await _sleep_until(envelope.due_us)
+        try:
+            await publisher.publish(
+                delivered.body,
+                with_properties(
+                    properties,
+                    headers=delivery_headers(properties.headers),
+                    expiration=envelope.expiration,
+                    delivery_mode=_callers_delivery_mode(envelope),
+                ),
+                exchange=envelope.exchange,
+                routing_key=envelope.routing_key,
+            )
+        except (Unroutable, TargetRefused) as error:
+            await self._park(publisher, delivered, f"undeliverable: {error}")
+            return
+        except (TypeError, ValueError) as error:  # headers pamqp cannot encode
+            await self._park(publisher, delivered, f"cannot re-encode the message: {error}")
+            return
+        self.totals.delivered += 1
+        self.totals.lateness.record(now_us() - envelope.due_us)
+
+    async def _park(
+        self, publisher: ConfirmedPublisher, delivered: DeliveredMessage, reason: str
+    ) -> None:
+        """Move a message to ``{prefix}.parked`` with the reason, target and due time.
+
+        The parked copy's ``user_id`` moves to header ``x-hopsched-user-id``: the broker
+        refuses a publish whose user_id is not the relay's own login.
+        """
+        properties = delivered.header.properties
+        headers = parked_headers(properties.headers, reason, now_us())
+        if properties.user_id is not None:
+            headers[HEADER_USER_ID] = properties.user_id
+        await publisher.publish(
+            delivered.body,
+            with_properties(
+                properties,
+                headers=_encodable(headers),
+                expiration=None,
+                delivery_mode=PERSISTENT,
+                user_id=None,
+            ),
+            exchange="",
+            routing_key=self.topology.parked_queue,
+        )
+        self.totals.parked += 1
+        log.warning(
+            "parked a message (schedule id %s): %s",
+            (properties.headers or {}).get("x-hopsched-id", "?"),
+            reason,
+        )
+
+    async def _report_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.log_interval_s)
+            self._report()
+
+    def _report(self) -> None:
+        totals = self.totals
+        log.info(
+            "totals: delivered=%d hops=%d parked=%d %s",
+            totals.delivered,
+            totals.hops,
+            totals.parked,
+            totals.lateness.summary(),
+        )
+
+
+def _encodable(value: Any) -> Any:
+    """``value`` with what pamqp cannot encode made encodable (bytes become byte arrays)."""
+    if isinstance(value, bytes):
+        return bytearray(value)
+    if isinstance(value, dict):
+        return {k: _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
+
+
+def _callers_delivery_mode(envelope: Envelope) -> int | None:
+    """The delivery mode the caller gave: the envelope records it only when not 2."""
+    if envelope.delivery_mode is None:
+        return PERSISTENT
+    return envelope.delivery_mode or None
+
+
+async def _sleep_until(due_us: int) -> None:
+    """Sleep until the wall clock reads ``due_us``; re-checked, so never early."""
+    while (wait_us := due_us - now_us()) > 0:  # noqa: ASYNC110 - a timer, not a poll
+        await asyncio.sleep(wait_us / 1_000_000)

@@ -1,0 +1,130 @@
+"""Settings: one frozen dataclass passed in explicitly; only the CLI reads the environment."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal, cast
+from urllib.parse import urlsplit, urlunsplit
+
+from hopsched.errors import InvalidScheduleError
+from hopsched.ladder import Ladder
+
+__all__ = ["QueueType", "Settings", "mask_url"]
+
+QueueType = Literal["quorum", "classic"]
+
+_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+_ENV = "HOPSCHED_"
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs, errors and output)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{parts.username or ''}:***@{host}"
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "<unparsable AMQP URL>"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a Scheduler or Relay needs.
+
+    Attributes:
+        url: AMQP URL (``amqp://`` or ``amqps://``; aio-pika's query options such as
+            ``?heartbeat=30`` pass through). Shown masked everywhere.
+        prefix: namespace of every broker object, so several ladders share a vhost.
+        min_step_ms, max_step_ms: the ladder's smallest and largest step TTL, powers of
+            two in ms.
+        hold_window_ms: at or below this remaining time the relay waits in-process.
+        hop_margin_ms: time kept in hand for one hop's overshoot (see ``Ladder``).
+        queue_type: ``"quorum"`` (replicated, at-least-once dead-lettering; the default)
+            or ``"classic"`` (lower latency; the broker dead-letters at-most-once).
+        prefetch: unacknowledged deliveries a relay holds at once (AMQP ``basic.qos``).
+        log_interval_s: seconds between the relay's totals lines.
+
+    Raises:
+        InvalidScheduleError: a value is out of range; the message says which and why.
+    """
+
+    url: str = "amqp://guest:guest@localhost:5672/"
+    prefix: str = "hopsched"
+    min_step_ms: int = 16
+    max_step_ms: int = 2**32
+    hold_window_ms: int = 50
+    hop_margin_ms: int = 20
+    queue_type: QueueType = "quorum"
+    prefetch: int = 1000
+    log_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if urlsplit(self.url).scheme not in ("amqp", "amqps"):
+            raise InvalidScheduleError(
+                f"url {mask_url(self.url)!r}: must start with amqp:// or amqps://"
+            )
+        if not _PREFIX.match(self.prefix):
+            raise InvalidScheduleError(
+                f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-'"
+            )
+        if self.queue_type not in ("quorum", "classic"):
+            raise InvalidScheduleError(
+                f"queue_type {self.queue_type!r}: must be 'quorum' or 'classic'"
+            )
+        if not 1 <= self.prefetch <= 65535:
+            raise InvalidScheduleError(
+                f"prefetch {self.prefetch}: must be 1..65535 (AMQP basic.qos is 16 bits)"
+            )
+        if self.log_interval_s <= 0:
+            raise InvalidScheduleError(f"log_interval_s {self.log_interval_s}: must be > 0")
+        self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
+
+    @property
+    def ladder(self) -> Ladder:
+        """The ladder these settings describe."""
+        return Ladder(
+            min_step_ms=self.min_step_ms,
+            max_step_ms=self.max_step_ms,
+            hold_window_ms=self.hold_window_ms,
+            hop_margin_ms=self.hop_margin_ms,
+        )
+
+    @property
+    def masked_url(self) -> str:
+        """The URL with its password replaced by ``***``."""
+        return mask_url(self.url)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Settings from ``HOPSCHED_<FIELD>`` variables (e.g. ``HOPSCHED_URL``,
+        ``HOPSCHED_PREFIX``, ``HOPSCHED_QUEUE_TYPE``, ``HOPSCHED_PREFETCH``), then
+        ``overrides`` whose value is not None.
+
+        Raises:
+            InvalidScheduleError: a variable does not parse as its field's type.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = environ.get(_ENV + f.name.upper())
+            if raw is None:
+                continue
+            kind = cast(type, type(f.default))
+            try:
+                values[f.name] = kind(raw) if kind in (int, float) else raw
+            except ValueError:
+                raise InvalidScheduleError(
+                    f"{_ENV}{f.name.upper()}={raw!r}: expected {kind.__name__}"
+                ) from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,127 @@
+"""Every broker object's name and arguments, built in one place, and ``declare()``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import aiormq
+
+from hopsched.errors import TopologyMismatchError
+from hopsched.ladder import Ladder
+from hopsched.settings import QueueType, Settings
+
+__all__ = ["DEAD_LETTER_ROUTING_KEY", "Topology"]
+
+#: Every step queue dead-letters with this routing key, whatever key the message had.
+DEAD_LETTER_ROUTING_KEY = "expired"
+
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<arg>[^']+)' for queue '(?P<queue>[^']+)' in vhost '[^']*': "
+    r"received (?P<received>.+?) but current is (?P<current>.+)$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Names and arguments of the ladder's queues and exchange for one prefix.
+
+    * step queues ``{prefix}.step.{ttl_ms}``: durable, ``x-message-ttl``, dead-lettered
+      to ``{prefix}.expired`` with routing key ``expired``; no ``x-expires``, no length
+      limit;
+    * direct exchange ``{prefix}.expired`` bound to queue ``{prefix}.relay``;
+    * queue ``{prefix}.parked`` for what the relay cannot deliver.
+
+    Quorum queues get ``x-dead-letter-strategy=at-least-once`` and
+    ``x-overflow=reject-publish`` (required by that strategy,
+    https://www.rabbitmq.com/docs/quorum-queues#dead-lettering; RabbitMQ >= 3.10).
+    """
+
+    prefix: str
+    ladder: Ladder
+    queue_type: QueueType
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Topology:
+        return cls(settings.prefix, settings.ladder, settings.queue_type)
+
+    @property
+    def expired_exchange(self) -> str:
+        return f"{self.prefix}.expired"
+
+    @property
+    def relay_queue(self) -> str:
+        return f"{self.prefix}.relay"
+
+    @property
+    def parked_queue(self) -> str:
+        return f"{self.prefix}.parked"
+
+    def step_queue(self, step_ms: int) -> str:
+        return f"{self.prefix}.step.{step_ms}"
+
+    @property
+    def step_queues(self) -> tuple[str, ...]:
+        return tuple(self.step_queue(step) for step in self.ladder.steps)
+
+    def _queue_arguments(self) -> dict[str, Any]:
+        if self.queue_type == "quorum":
+            return {"x-queue-type": "quorum"}
+        return {"x-queue-type": "classic"}
+
+    def step_arguments(self, step_ms: int) -> dict[str, Any]:
+        """Arguments of the step queue whose TTL is ``step_ms`` ms."""
+        arguments = self._queue_arguments()
+        arguments.update(
+            {
+                "x-message-ttl": step_ms,
+                "x-dead-letter-exchange": self.expired_exchange,
+                "x-dead-letter-routing-key": DEAD_LETTER_ROUTING_KEY,
+            }
+        )
+        if self.queue_type == "quorum":
+            arguments["x-dead-letter-strategy"] = "at-least-once"
+            arguments["x-overflow"] = "reject-publish"
+        return arguments
+
+    def queues(self) -> dict[str, dict[str, Any]]:
+        """Every queue's name and declare arguments: steps, relay, parked."""
+        queues = {self.step_queue(s): self.step_arguments(s) for s in self.ladder.steps}
+        queues[self.relay_queue] = self._queue_arguments()
+        queues[self.parked_queue] = self._queue_arguments()
+        return queues
+
+    async def declare(self, connection: aio_pika.abc.AbstractConnection) -> None:
+        """Declare everything, idempotently (safe to run from every process).
+
+        Raises:
+            TopologyMismatchError: a queue exists with other arguments (AMQP 406);
+                names the queue, the argument and the fix. Not worth retrying.
+        """
+        async with connection.channel(publisher_confirms=False) as channel:
+            try:
+                exchange = await channel.declare_exchange(
+                    self.expired_exchange, aio_pika.ExchangeType.DIRECT, durable=True
+                )
+                for name, arguments in self.queues().items():
+                    queue = await channel.declare_queue(name, durable=True, arguments=arguments)
+                    if name == self.relay_queue:
+                        await queue.bind(exchange, routing_key=DEAD_LETTER_ROUTING_KEY)
+            except aiormq.exceptions.ChannelPreconditionFailed as error:
+                raise _mismatch(error) from None
+
+
+def _mismatch(error: aiormq.exceptions.ChannelPreconditionFailed) -> TopologyMismatchError:
+    text = str(error.args[0] if error.args else error)
+    match = _INEQUIVALENT.search(text)
+    if match is None:
+        return TopologyMismatchError("?", "?", "?", "?", text)
+    return TopologyMismatchError(
+        match["queue"], match["arg"], _unquote(match["received"]), _unquote(match["current"]), text
+    )
+
+
+def _unquote(value: str) -> str:
+    return value[1:-1] if len(value) > 1 and value[0] == value[-1] == "'" else value
