@@ -95,6 +95,7 @@ class Relay:
         finally:
             reporter.cancel()
             self._report()
+            log.info("relay stopped")
 
     async def _run(self) -> None:
         delay, attempt = _RECONNECT_FIRST_S, 0

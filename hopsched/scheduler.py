@@ -135,7 +135,8 @@ class Scheduler:
 
         Args:
             message: an ``aio_pika.Message`` (body, every property and header are
-                delivered as given) or body bytes (sent persistent).
+                delivered as given; an unset ``message_id`` becomes the schedule id) or
+                body bytes (sent persistent).
             at: due time, a timezone-aware datetime (any zone).
             delay: or a delay: a timedelta or seconds (int or float); fractions of a
                 microsecond round up. Zero or negative means "now".
@@ -177,6 +178,9 @@ class Scheduler:
         )
         properties = with_properties(
             properties,
+            # Left unset, AMQP clients fill message_id with a random id; the schedule id
+            # is as unique and lets consumers de-duplicate on either.
+            message_id=properties.message_id or envelope.schedule_id,
             headers={**(properties.headers or {}), **envelope.to_headers()},
             expiration=None,
             delivery_mode=PERSISTENT,
