@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BROKER_MAX_TTL_MS", "Hold", "Hop", "Ladder"]
+__all__ = ["BROKER_MAX_TTL_MS", "MAX_HOLD_MS", "Hold", "Hop", "Ladder"]
+
+#: The longest a relay may hold a delivery unacked, far below RabbitMQ's
+#: ``consumer_timeout`` (30 min by default, https://www.rabbitmq.com/docs/consumers#acknowledgement-timeout).
+MAX_HOLD_MS = 60_000
 
 #: RabbitMQ caps ``x-message-ttl`` at 10 years (RabbitMQ >= 3.10.2,
 #: https://www.rabbitmq.com/docs/ttl#per-queue-message-ttl).
@@ -83,6 +87,18 @@ class Ladder:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidScheduleError(f"{name}={value!r}: must be an integer >= 0 ms")
+        if self.longest_hold_ms > MAX_HOLD_MS:
+            raise InvalidScheduleError(
+                f"the relay would hold messages unacked for up to {self.longest_hold_ms} ms "
+                f"(max of hold_window_ms and min_step_ms + hop_margin_ms); keep it at most "
+                f"{MAX_HOLD_MS} ms, far below RabbitMQ's consumer_timeout"
+            )
+
+    @property
+    def longest_hold_ms(self) -> int:
+        """The longest ``Hold`` the planner returns, in ms: below min step + margin no
+        step fits, so the relay waits however large the hold window is set."""
+        return max(self.hold_window_ms, self.min_step_ms + self.hop_margin_ms)
 
     @property
     def steps(self) -> tuple[int, ...]:

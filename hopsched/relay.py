@@ -210,43 +210,53 @@ class Relay:
             await self._park(publisher, delivered, f"malformed envelope: {error.reason}")
             return
         action = self._ladder.plan(now_us=now_us(), due_us=envelope.due_us)
-        if isinstance(action, Hop):
-            try:
-                await publisher.publish(
-                    delivered.body,
-                    with_properties(
-                        properties,
-                        headers=hop_headers(properties.headers, envelope.hops + 1),
-                        expiration=None,
-                        delivery_mode=PERSISTENT,
-                    ),
-                    exchange="",
-                    routing_key=self.topology.step_queue(action.step_ms),
-                )
-            except Unroutable as error:
-                await self._park(publisher, delivered, f"step queue missing: {error}")
-                return
-            self.totals.hops += 1
-            return
-        await _sleep_until(envelope.due_us)
         try:
-            await publisher.publish(
-                delivered.body,
-                with_properties(
-                    properties,
-                    headers=delivery_headers(properties.headers),
-                    expiration=envelope.expiration,
-                    delivery_mode=_callers_delivery_mode(envelope),
-                ),
-                exchange=envelope.exchange,
-                routing_key=envelope.routing_key,
-            )
+            if isinstance(action, Hop):
+                await self._hop(publisher, delivered, envelope, action.step_ms)
+            else:
+                await _sleep_until(envelope.due_us)
+                await self._deliver(publisher, delivered, envelope)
         except (Unroutable, TargetRefused) as error:
             await self._park(publisher, delivered, f"undeliverable: {error}")
-            return
-        except (TypeError, ValueError) as error:  # headers pamqp cannot encode
+        except (TypeError, ValueError) as error:  # a header value pamqp cannot encode
             await self._park(publisher, delivered, f"cannot re-encode the message: {error}")
-            return
+
+    async def _hop(
+        self,
+        publisher: ConfirmedPublisher,
+        delivered: DeliveredMessage,
+        envelope: Envelope,
+        step_ms: int,
+    ) -> None:
+        properties = delivered.header.properties
+        await publisher.publish(
+            delivered.body,
+            with_properties(
+                properties,
+                headers=hop_headers(properties.headers, envelope.hops + 1),
+                expiration=None,
+                delivery_mode=PERSISTENT,
+            ),
+            exchange="",
+            routing_key=self.topology.step_queue(step_ms),
+        )
+        self.totals.hops += 1
+
+    async def _deliver(
+        self, publisher: ConfirmedPublisher, delivered: DeliveredMessage, envelope: Envelope
+    ) -> None:
+        properties = delivered.header.properties
+        await publisher.publish(
+            delivered.body,
+            with_properties(
+                properties,
+                headers=delivery_headers(properties.headers),
+                expiration=envelope.expiration,
+                delivery_mode=_callers_delivery_mode(envelope),
+            ),
+            exchange=envelope.exchange,
+            routing_key=envelope.routing_key,
+        )
         self.totals.delivered += 1
         self.totals.lateness.record(now_us() - envelope.due_us)
 

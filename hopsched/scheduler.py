@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from types import TracebackType
 
 import aio_pika
@@ -71,7 +72,8 @@ def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) 
         return now + timedelta_to_us(delay)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
         raise InvalidScheduleError(f"delay={delay!r}: must be a timedelta or finite seconds")
-    return now + math.ceil(delay * 1_000_000)
+    # Decimal of the float's shortest repr: exact, where delay * 1e6 could round down.
+    return now + math.ceil(Decimal(repr(delay)) * 1_000_000)
 
 
 class Scheduler:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from hopsched.errors import InvalidScheduleError
 from hopsched.ladder import Ladder
@@ -21,20 +22,40 @@ _ENV = "HOPSCHED_"
 
 
 def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and output)."""
+    """``url`` with any password replaced by ``***`` (for logs, errors and output).
+
+    Works on the raw text, not a URL parser: the user info is everything between
+    ``://`` and the last ``@``, so a password holding unencoded ``/``, ``#`` or ``?``
+    is masked too.
+    """
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{hostpart}"
+
+
+def _check_url(url: str) -> None:
+    """Raise InvalidScheduleError unless ``url`` is an amqp(s) URL with a host and valid port."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}"
-        if parts.port is not None:
-            netloc += f":{parts.port}"
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<unparsable AMQP URL>"
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as error:
+        problem = str(error).replace(url, mask_url(url))
+        raise InvalidScheduleError(f"url {mask_url(url)!r}: {problem}") from None
+    if parts.scheme not in ("amqp", "amqps"):
+        raise InvalidScheduleError(f"url {mask_url(url)!r}: must start with amqp:// or amqps://")
+    if not parts.hostname:
+        raise InvalidScheduleError(
+            f"url {mask_url(url)!r}: no host; write amqp://user:password@host:5672/vhost "
+            "(percent-encode '/', '#', '?' and '@' in the password)"
+        )
+    if urlsplit(mask_url(url)).hostname != parts.hostname:
+        raise InvalidScheduleError(
+            f"url {mask_url(url)!r}: the password holds '/', '#', '?' or '@'; "
+            "percent-encode it (e.g. '/' as %2F)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +90,7 @@ class Settings:
     log_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if urlsplit(self.url).scheme not in ("amqp", "amqps"):
-            raise InvalidScheduleError(
-                f"url {mask_url(self.url)!r}: must start with amqp:// or amqps://"
-            )
+        _check_url(self.url)
         if not _PREFIX.match(self.prefix):
             raise InvalidScheduleError(
                 f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-'"
@@ -85,9 +103,16 @@ class Settings:
             raise InvalidScheduleError(
                 f"prefetch {self.prefetch}: must be 1..65535 (AMQP basic.qos is 16 bits)"
             )
-        if self.log_interval_s <= 0:
+        if not math.isfinite(self.log_interval_s) or self.log_interval_s <= 0:
             raise InvalidScheduleError(f"log_interval_s {self.log_interval_s}: must be > 0")
         self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
+
+    def __repr__(self) -> str:
+        values = ", ".join(
+            f"{f.name}={self.masked_url if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self)
+        )
+        return f"Settings({values})"
 
     @property
     def ladder(self) -> Ladder:

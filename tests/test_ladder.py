@@ -1,0 +1,464 @@
+"""The ladder's planner: never early, always terminates, bounded hops (pure, no broker).
+
+Times are integer microseconds; step TTLs are milliseconds. ``follow_plan`` plays the
+relay: it asks ``plan()`` what to do, and each hop comes back after the step's TTL plus
+an overshoot (TTL expiry and dead-lettering take 2.5-3 ms past the TTL, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hopsched.errors import InvalidScheduleError
+from hopsched.ladder import BROKER_MAX_TTL_MS, Hold, Hop, Ladder
+
+US_PER_MS = 1_000
+MS = US_PER_MS
+SECOND = 1_000_000
+DAY = 86_400 * SECOND
+
+DEFAULT = Ladder()  # min 16 ms, max 2**32 ms, hold window 50 ms, margin 20 ms
+
+
+@dataclass
+class Run:
+    """What happened to one message whose relay followed the plan."""
+
+    hops: list[tuple[int, int]]  # (instant the hop was published, step ms)
+    arrival_us: int  # when the message reached the relay for the last time
+    hold: Hold
+
+    @property
+    def steps(self) -> list[int]:
+        return [step for _, step in self.hops]
+
+    @property
+    def delivered_us(self) -> int:
+        """The relay waits ``hold.wait_us`` in-process, then delivers."""
+        return self.arrival_us + self.hold.wait_us
+
+
+def follow_plan(
+    ladder: Ladder, due_us: int, overshoot_us: Callable[[], int], *, start_us: int = 0
+) -> Run:
+    """Play the relay for a message due at ``due_us``, starting at ``start_us``."""
+    limit = ladder.max_hops(max(0, due_us - start_us)) + 1
+    now, hops = start_us, []
+    while isinstance(action := ladder.plan(now_us=now, due_us=due_us), Hop):
+        hops.append((now, action.step_ms))
+        assert len(hops) <= limit, f"no Hold after {len(hops)} hops: {hops[-5:]}"
+        now += action.step_ms * US_PER_MS + overshoot_us()
+    return Run(hops=hops, arrival_us=now, hold=action)
+
+
+def ceil_log2_ratio(numerator: int, denominator: int) -> int:
+    """ceil(log2(numerator / denominator)) for a ratio above 1, in exact integers."""
+    quotient = -(-numerator // denominator)
+    return (quotient - 1).bit_length()
+
+
+@st.composite
+def ladders(draw: st.DrawFn, *, min_margin_ms: int = 0) -> Ladder:
+    low = draw(st.integers(0, 15))  # min step + margin stays within MAX_HOLD_MS
+    high = draw(st.integers(low, 32))
+    return Ladder(
+        min_step_ms=2**low,
+        max_step_ms=2**high,
+        hold_window_ms=draw(st.integers(0, 5_000)),
+        hop_margin_ms=draw(st.integers(min_margin_ms, 200)),
+    )
+
+
+@st.composite
+def ladder_and_delay(draw: st.DrawFn, *, min_margin_ms: int = 0) -> tuple[Ladder, int]:
+    """A ladder and a delay (µs) of up to 40 laps of its top step, sometimes negative."""
+    ladder = draw(ladders(min_margin_ms=min_margin_ms))
+    top_us = ladder.max_step_ms * US_PER_MS
+    laps = draw(st.integers(0, 40))
+    rest = draw(st.integers(-10 * SECOND, top_us))
+    return ladder, laps * top_us + rest
+
+
+# --- properties -------------------------------------------------------------------------
+
+
+@given(case=ladder_and_delay(min_margin_ms=1), start_us=st.integers(0, 2**60), data=st.data())
+def test_following_the_plan_with_overshoot_below_margin_is_never_early(
+    case: tuple[Ladder, int], start_us: int, data: st.DataObject
+) -> None:
+    ladder, delay_us = case
+    margin_us = ladder.hop_margin_ms * US_PER_MS
+    due_us = start_us + delay_us
+
+    run = follow_plan(
+        ladder, due_us, lambda: data.draw(st.integers(0, margin_us - 1)), start_us=start_us
+    )
+
+    for published_us, step_ms in run.hops:
+        assert step_ms * US_PER_MS <= due_us - published_us - margin_us
+    remaining_us = due_us - run.arrival_us
+    if delay_us >= 0:
+        assert remaining_us >= 0
+        assert run.hold.wait_us == remaining_us
+    else:
+        assert run.hops == []
+        assert run.hold == Hold(0)
+    assert run.delivered_us == max(run.arrival_us, due_us)
+
+
+@given(case=ladder_and_delay(), data=st.data())
+def test_delivery_is_never_early_even_when_hops_overshoot_the_margin(
+    case: tuple[Ladder, int], data: st.DataObject
+) -> None:
+    ladder, delay_us = case
+    largest_us = ladder.hop_margin_ms * US_PER_MS + 10 * SECOND
+
+    run = follow_plan(ladder, delay_us, lambda: data.draw(st.integers(0, largest_us)))
+
+    assert run.hold.wait_us >= 0
+    assert run.delivered_us == max(run.arrival_us, delay_us)
+    assert run.delivered_us >= delay_us
+
+
+@given(
+    ladder=ladders(),
+    now_us=st.integers(-(2**62), 2**62),
+    remaining_us=st.integers(-(2**40), 2**45),
+)
+def test_plan_always_returns_a_hop_or_a_hold(
+    ladder: Ladder, now_us: int, remaining_us: int
+) -> None:
+    action = ladder.plan(now_us=now_us, due_us=now_us + remaining_us)
+
+    assert isinstance(action, Hop | Hold)
+
+
+@given(case=ladder_and_delay(), overshoot_us=st.integers(0, 60 * SECOND))
+def test_route_terminates_for_any_constant_overshoot(
+    case: tuple[Ladder, int], overshoot_us: int
+) -> None:
+    ladder, delay_us = case
+
+    steps = ladder.route(delay_us, overshoot_us)
+
+    assert len(steps) <= ladder.max_hops(max(0, delay_us))
+
+
+@given(case=ladder_and_delay(min_margin_ms=1), data=st.data())
+def test_hops_stay_within_max_hops_for_overshoot_below_margin(
+    case: tuple[Ladder, int], data: st.DataObject
+) -> None:
+    ladder, delay_us = case
+    margin_us = ladder.hop_margin_ms * US_PER_MS
+    overshoot_us = data.draw(st.integers(0, margin_us - 1))
+
+    route = ladder.route(delay_us, overshoot_us)
+    run = follow_plan(ladder, delay_us, lambda: data.draw(st.integers(0, margin_us - 1)))
+
+    assert len(route) <= ladder.max_hops(max(0, delay_us))
+    assert len(run.hops) <= ladder.max_hops(max(0, delay_us))
+
+
+@given(ladder=ladders(min_margin_ms=1), data=st.data())
+def test_hops_within_the_ladder_are_logarithmic_in_the_delay(
+    ladder: Ladder, data: st.DataObject
+) -> None:
+    min_us = ladder.min_step_ms * US_PER_MS
+    delay_us = data.draw(st.integers(1, ladder.max_step_ms * US_PER_MS))
+    overshoot_us = data.draw(st.integers(0, ladder.hop_margin_ms * US_PER_MS - 1))
+
+    steps = ladder.route(delay_us, overshoot_us)
+
+    if delay_us <= min_us:
+        assert steps == []
+    else:
+        assert len(steps) <= ceil_log2_ratio(delay_us, min_us) + 2
+    below_top = [step for step in steps if step != ladder.max_step_ms]
+    assert len(below_top) == len(set(below_top)), f"a step below the top reused: {steps}"
+
+
+@given(
+    ladder=ladders(),
+    now_us=st.integers(0, 2**60),
+    remaining_us=st.integers(-(2**40), 2**45),
+)
+def test_a_hop_is_the_largest_ladder_step_that_fits(
+    ladder: Ladder, now_us: int, remaining_us: int
+) -> None:
+    margin_us = ladder.hop_margin_ms * US_PER_MS
+
+    action = ladder.plan(now_us=now_us, due_us=now_us + remaining_us)
+
+    if isinstance(action, Hop):
+        step = action.step_ms
+        assert step & (step - 1) == 0
+        assert ladder.min_step_ms <= step <= ladder.max_step_ms
+        assert step in ladder.steps
+        assert remaining_us > ladder.hold_window_ms * US_PER_MS
+        assert step * US_PER_MS + margin_us <= remaining_us
+        assert step == ladder.max_step_ms or 2 * step * US_PER_MS + margin_us > remaining_us
+    else:
+        assert action.wait_us == max(0, remaining_us)
+        smallest_fits = ladder.min_step_ms * US_PER_MS + margin_us <= remaining_us
+        assert remaining_us <= ladder.hold_window_ms * US_PER_MS or not smallest_fits
+
+
+@given(
+    ladder=ladders(),
+    now_us=st.integers(0, 2**60),
+    shorter_us=st.integers(-(2**40), 2**45),
+    extra_us=st.integers(0, 2**45),
+)
+def test_more_remaining_time_never_picks_a_smaller_step(
+    ladder: Ladder, now_us: int, shorter_us: int, extra_us: int
+) -> None:
+    def step_for(remaining_us: int) -> int:
+        action = ladder.plan(now_us=now_us, due_us=now_us + remaining_us)
+        return action.step_ms if isinstance(action, Hop) else 0
+
+    assert step_for(shorter_us) <= step_for(shorter_us + extra_us)
+
+
+@given(
+    ladder=ladders(),
+    remaining_us=st.integers(-(2**40), 2**45),
+    now_us=st.integers(-(2**62), 2**62),
+)
+def test_plan_depends_only_on_the_remaining_time(
+    ladder: Ladder, remaining_us: int, now_us: int
+) -> None:
+    at_epoch = ladder.plan(now_us=0, due_us=remaining_us)
+
+    assert ladder.plan(now_us=now_us, due_us=now_us + remaining_us) == at_epoch
+
+
+# --- tables ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("remaining_us", "expected"),
+    [
+        pytest.param(0, Hold(0), id="due-now"),
+        pytest.param(-1, Hold(0), id="1us-past"),
+        pytest.param(-5 * SECOND, Hold(0), id="5s-past"),
+        pytest.param(-3_600 * SECOND, Hold(0), id="1h-past"),
+        pytest.param(400, Hold(400), id="0.4ms"),
+        pytest.param(1_500, Hold(1_500), id="1.5ms"),
+        pytest.param(36 * MS, Hold(36 * MS), id="min-step-plus-margin-inside-hold-window"),
+        pytest.param(50 * MS, Hold(50 * MS), id="hold-window-edge"),
+        pytest.param(50 * MS + 1, Hop(16), id="just-past-hold-window"),
+        pytest.param(52 * MS, Hop(32), id="52ms"),
+        pytest.param(SECOND, Hop(512), id="1s"),
+        pytest.param(2**32 * MS - MS, Hop(2**31), id="2**32-1ms"),
+        pytest.param(2**32 * MS, Hop(2**31), id="2**32ms-top-step-needs-margin"),
+        pytest.param(2**32 * MS + 20 * MS, Hop(2**32), id="top-step-plus-margin"),
+        pytest.param(3 * 2**32 * MS, Hop(2**32), id="top-step-reused"),
+    ],
+)
+def test_default_ladder_plan(remaining_us: int, expected: Hop | Hold) -> None:
+    now_us = 1_700_000_000 * SECOND
+
+    assert DEFAULT.plan(now_us=now_us, due_us=now_us + remaining_us) == expected
+
+
+@pytest.mark.parametrize(
+    ("ladder", "remaining_us", "expected"),
+    [
+        pytest.param(Ladder(hold_window_ms=0), 36 * MS, Hop(16), id="exactly-min-plus-margin"),
+        pytest.param(
+            Ladder(hold_window_ms=0), 36 * MS - 1, Hold(36 * MS - 1), id="1us-short-of-min"
+        ),
+        pytest.param(Ladder(hold_window_ms=0, hop_margin_ms=0), 16 * MS, Hop(16), id="no-margin"),
+        pytest.param(
+            Ladder(hold_window_ms=0, hop_margin_ms=0), 16 * MS - 1, Hold(16 * MS - 1), id="no-fit"
+        ),
+        pytest.param(Ladder(hold_window_ms=0), 1, Hold(1), id="no-window-1us"),
+        pytest.param(Ladder(hold_window_ms=0), 0, Hold(0), id="no-window-due-now"),
+        pytest.param(
+            Ladder(min_step_ms=1, hold_window_ms=0, hop_margin_ms=0),
+            1_500,
+            Hop(1),
+            id="1ms-step-for-1.5ms",
+        ),
+    ],
+)
+def test_plan_at_the_smallest_step(ladder: Ladder, remaining_us: int, expected: Hop | Hold) -> None:
+    assert ladder.plan(now_us=0, due_us=remaining_us) == expected
+
+
+@pytest.mark.parametrize(
+    ("ladder", "delay_us", "expected"),
+    [
+        pytest.param(DEFAULT, 0, [], id="zero"),
+        pytest.param(DEFAULT, -5 * SECOND, [], id="negative"),
+        pytest.param(DEFAULT, 400, [], id="0.4ms"),
+        pytest.param(DEFAULT, 1_500, [], id="1.5ms"),
+        pytest.param(DEFAULT, SECOND, [512, 256, 128, 64], id="1s"),
+        pytest.param(
+            Ladder(max_step_ms=1024),
+            10 * SECOND,
+            [1024] * 9 + [512, 128, 64, 32],
+            id="top-step-reused",
+        ),
+    ],
+)
+def test_route(ladder: Ladder, delay_us: int, expected: list[int]) -> None:
+    assert ladder.route(delay_us) == expected
+
+
+def test_route_with_overshoot_ends_inside_the_hold_window() -> None:
+    steps = DEFAULT.route(60 * SECOND, overshoot_us=3 * MS)
+
+    assert steps == [32768, 16384, 8192, 2048, 512, 32]
+    assert 60 * SECOND - sum(steps) * MS - len(steps) * 3 * MS <= DEFAULT.hold_window_ms * MS
+
+
+def test_default_steps_are_every_power_of_two_from_16ms_to_2_pow_32ms() -> None:
+    assert DEFAULT.steps == tuple(2**k for k in range(4, 33))
+
+
+@pytest.mark.parametrize(
+    ("delay_us", "expected"),
+    [(0, 28), (1, 29), (2**32 * MS, 29), (2**32 * MS + 1, 30), (10 * 2**32 * MS, 38)],
+)
+def test_max_hops_counts_top_laps_plus_each_smaller_step(delay_us: int, expected: int) -> None:
+    assert DEFAULT.max_hops(delay_us) == expected
+
+
+# --- F04: delays beyond 2**32 - 1 ms -------------------------------------------------------
+
+F04_DELAYS = [
+    pytest.param((2**32 - 1) * MS, id="2**32-1ms"),
+    pytest.param(2**32 * MS, id="2**32ms"),
+    pytest.param(timedelta(days=180) // timedelta(microseconds=1), id="180days"),
+    pytest.param(timedelta(days=3650) // timedelta(microseconds=1), id="10years"),
+]
+F04_OVERSHOOTS = [0, 3 * MS, DEFAULT.hop_margin_ms * MS - 1]
+
+
+@pytest.mark.parametrize("delay_us", F04_DELAYS)
+@pytest.mark.parametrize("overshoot_us", F04_OVERSHOOTS)
+def test_F04_route_never_outlasts_the_delay(delay_us: int, overshoot_us: int) -> None:
+    steps = DEFAULT.route(delay_us, overshoot_us)
+
+    assert steps, "a long delay must hop, not be delivered at once"
+    assert (sum(steps) + DEFAULT.hop_margin_ms) * MS <= delay_us
+    remaining_us = delay_us - sum(steps) * MS - len(steps) * overshoot_us
+    assert 0 <= remaining_us <= DEFAULT.hold_window_ms * MS
+
+
+@pytest.mark.parametrize("delay_us", F04_DELAYS)
+def test_F04_top_step_is_reused_as_often_as_needed(delay_us: int) -> None:
+    steps = DEFAULT.route(delay_us)
+    top_ms = DEFAULT.max_step_ms
+
+    laps = steps.count(top_ms)
+
+    assert laps == (delay_us - DEFAULT.hop_margin_ms * MS) // (top_ms * MS)
+    assert delay_us // (top_ms * MS) - 1 <= laps <= delay_us // (top_ms * MS)
+    assert steps[:laps] == [top_ms] * laps, "the top step comes first, then smaller ones"
+    assert all(step < top_ms for step in steps[laps:])
+
+
+@pytest.mark.parametrize("delay_us", F04_DELAYS)
+@pytest.mark.parametrize("overshoot_us", F04_OVERSHOOTS)
+def test_F04_hops_are_bounded(delay_us: int, overshoot_us: int) -> None:
+    steps = DEFAULT.route(delay_us, overshoot_us)
+
+    assert len(steps) <= DEFAULT.max_hops(delay_us)
+    below_top = [step for step in steps if step != DEFAULT.max_step_ms]
+    assert len(below_top) == len(set(below_top))
+
+
+def test_F04_ten_years_is_73_laps_of_the_top_step() -> None:
+    ten_years_us = BROKER_MAX_TTL_MS * MS
+
+    steps = DEFAULT.route(ten_years_us)
+
+    assert steps.count(2**32) == 73
+    assert len(steps) <= 73 + 28
+
+
+@pytest.mark.parametrize("delay_us", F04_DELAYS)
+def test_F04_relay_delivers_at_the_due_time_not_before(delay_us: int) -> None:
+    run = follow_plan(DEFAULT, delay_us, lambda: 3 * MS)
+
+    assert run.delivered_us == delay_us
+    assert run.hold.wait_us <= DEFAULT.hold_window_ms * MS
+
+
+# --- validation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        pytest.param({"min_step_ms": 15}, "min_step_ms", id="min-not-power-of-two"),
+        pytest.param({"min_step_ms": 0}, "min_step_ms", id="min-zero"),
+        pytest.param({"min_step_ms": -16}, "min_step_ms", id="min-negative"),
+        pytest.param({"min_step_ms": 16.0}, "min_step_ms", id="min-float"),
+        pytest.param({"min_step_ms": True}, "min_step_ms", id="min-bool"),
+        pytest.param({"max_step_ms": 3 * 2**30}, "max_step_ms", id="max-not-power-of-two"),
+        pytest.param({"max_step_ms": "4096"}, "max_step_ms", id="max-str"),
+        pytest.param({"max_step_ms": True}, "max_step_ms", id="max-bool"),
+        pytest.param({"min_step_ms": 1024, "max_step_ms": 16}, "min_step_ms", id="min-above-max"),
+        pytest.param({"max_step_ms": 2**39}, "max_step_ms", id="above-broker-ttl-cap"),
+        pytest.param({"hold_window_ms": -1}, "hold_window_ms", id="hold-window-negative"),
+        pytest.param({"hold_window_ms": 1.5}, "hold_window_ms", id="hold-window-float"),
+        pytest.param({"hold_window_ms": False}, "hold_window_ms", id="hold-window-bool"),
+        pytest.param({"hop_margin_ms": -1}, "hop_margin_ms", id="margin-negative"),
+        pytest.param({"hop_margin_ms": True}, "hop_margin_ms", id="margin-bool"),
+    ],
+)
+def test_invalid_ladder_is_rejected_naming_the_field(kwargs: dict[str, object], named: str) -> None:
+    with pytest.raises(InvalidScheduleError, match=named) as caught:
+        Ladder(**kwargs)  # type: ignore[arg-type]
+
+    assert isinstance(caught.value, ValueError)
+
+
+def test_min_above_max_names_both_fields() -> None:
+    with pytest.raises(InvalidScheduleError) as caught:
+        Ladder(min_step_ms=1024, max_step_ms=16)
+
+    assert "min_step_ms=1024" in str(caught.value)
+    assert "max_step_ms=16" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"hold_window_ms": 60_001}, id="hold-window"),
+        pytest.param({"min_step_ms": 2**16, "max_step_ms": 2**20}, id="min-step-plus-margin"),
+    ],
+)
+def test_a_hold_longer_than_a_minute_is_rejected(kwargs: dict[str, int]) -> None:
+    """An unacked hold near RabbitMQ's consumer_timeout would close the relay's channel."""
+    with pytest.raises(InvalidScheduleError, match="consumer_timeout"):
+        Ladder(**kwargs)
+
+
+def test_broker_ttl_cap_error_names_the_cap() -> None:
+    with pytest.raises(InvalidScheduleError, match=str(BROKER_MAX_TTL_MS)):
+        Ladder(max_step_ms=2**39)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"min_step_ms": 1, "max_step_ms": 1}, id="single-1ms-step"),
+        pytest.param({"max_step_ms": 2**38}, id="largest-power-of-two-under-the-cap"),
+        pytest.param({"hold_window_ms": 0, "hop_margin_ms": 0}, id="zero-windows"),
+    ],
+)
+def test_valid_edge_ladders_are_accepted(kwargs: dict[str, int]) -> None:
+    ladder = Ladder(**kwargs)
+
+    assert ladder.steps[0] == ladder.min_step_ms
+    assert ladder.steps[-1] == ladder.max_step_ms

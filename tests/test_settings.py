@@ -1,0 +1,272 @@
+"""Settings: defaults, the environment, validation, and the password never shown."""
+
+from __future__ import annotations
+
+import dataclasses
+from urllib.parse import quote
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hopsched.errors import HopschedError, InvalidScheduleError
+from hopsched.ladder import Ladder
+from hopsched.settings import Settings, mask_url
+
+# --- defaults and from_env ----------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    settings = Settings()
+
+    assert settings.url == "amqp://guest:guest@localhost:5672/"
+    assert settings.prefix == "hopsched"
+    assert settings.queue_type == "quorum"
+    assert settings.prefetch == 1000
+    assert settings.log_interval_s == 60.0
+    assert settings.ladder == Ladder(
+        min_step_ms=16, max_step_ms=2**32, hold_window_ms=50, hop_margin_ms=20
+    )
+    assert settings.masked_url == "amqp://guest:***@localhost:5672/"
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Settings().prefix = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        pytest.param({}, id="empty"),
+        pytest.param({"PATH": "/usr/bin", "HOPSCHED_UNKNOWN": "x"}, id="unrelated"),
+        pytest.param({"hopsched_prefix": "lower"}, id="lower-case-ignored"),
+    ],
+)
+def test_from_env_without_hopsched_variables_gives_defaults(environ: dict[str, str]) -> None:
+    assert Settings.from_env(environ) == Settings()
+
+
+def test_from_env_reads_each_variable_as_its_fields_type() -> None:
+    environ = {
+        "HOPSCHED_URL": "amqps://svc:s3cret@broker.internal:5671/prod?heartbeat=30",
+        "HOPSCHED_PREFIX": "billing.delays",
+        "HOPSCHED_QUEUE_TYPE": "classic",
+        "HOPSCHED_PREFETCH": "250",
+        "HOPSCHED_MIN_STEP_MS": "32",
+        "HOPSCHED_MAX_STEP_MS": "1048576",
+        "HOPSCHED_HOLD_WINDOW_MS": "80",
+        "HOPSCHED_HOP_MARGIN_MS": "10",
+        "HOPSCHED_LOG_INTERVAL_S": "2.5",
+    }
+
+    settings = Settings.from_env(environ)
+
+    assert settings == Settings(
+        url="amqps://svc:s3cret@broker.internal:5671/prod?heartbeat=30",
+        prefix="billing.delays",
+        queue_type="classic",
+        prefetch=250,
+        min_step_ms=32,
+        max_step_ms=2**20,
+        hold_window_ms=80,
+        hop_margin_ms=10,
+        log_interval_s=2.5,
+    )
+    assert type(settings.prefetch) is int
+    assert type(settings.log_interval_s) is float
+    assert settings.ladder.steps[0] == 32
+
+
+def test_overrides_win_over_the_environment_and_none_is_no_override() -> None:
+    environ = {"HOPSCHED_PREFIX": "from-env", "HOPSCHED_PREFETCH": "10"}
+
+    settings = Settings.from_env(environ, prefix="from-cli", prefetch=None, min_step_ms=64)
+
+    assert settings.prefix == "from-cli"
+    assert settings.prefetch == 10
+    assert settings.min_step_ms == 64
+
+
+def test_from_env_reads_os_environ_when_given_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOPSCHED_PREFIX", "from-os-environ")
+    monkeypatch.setenv("HOPSCHED_PREFETCH", "7")
+
+    settings = Settings.from_env()
+
+    assert settings.prefix == "from-os-environ"
+    assert settings.prefetch == 7
+
+
+# --- bad values ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        pytest.param({"HOPSCHED_PREFETCH": "many"}, ["HOPSCHED_PREFETCH", "'many'", "int"],
+                     id="prefetch-not-int"),
+        pytest.param({"HOPSCHED_PREFETCH": "1e3"}, ["HOPSCHED_PREFETCH", "int"],
+                     id="prefetch-float-syntax"),
+        pytest.param({"HOPSCHED_PREFETCH": "0"}, ["prefetch", "65535"], id="prefetch-zero"),
+        pytest.param({"HOPSCHED_PREFETCH": "65536"}, ["prefetch", "65535"],
+                     id="prefetch-above-16-bits"),
+        pytest.param({"HOPSCHED_MIN_STEP_MS": "16.0"}, ["HOPSCHED_MIN_STEP_MS", "int"],
+                     id="min-step-float"),
+        pytest.param({"HOPSCHED_MIN_STEP_MS": "15"}, ["min_step_ms", "power"],
+                     id="min-step-not-power-of-two"),
+        pytest.param({"HOPSCHED_MIN_STEP_MS": "8192", "HOPSCHED_MAX_STEP_MS": "4096"},
+                     ["min_step_ms", "max_step_ms"], id="min-above-max"),
+        pytest.param({"HOPSCHED_HOLD_WINDOW_MS": "-1"}, ["hold_window_ms", ">= 0"],
+                     id="negative-hold-window"),
+        pytest.param({"HOPSCHED_QUEUE_TYPE": "mirrored"}, ["'mirrored'", "quorum", "classic"],
+                     id="queue-type"),
+        pytest.param({"HOPSCHED_QUEUE_TYPE": "Quorum"}, ["'Quorum'", "quorum"],
+                     id="queue-type-case"),
+        pytest.param({"HOPSCHED_PREFIX": "has space"}, ["prefix", "'has space'"],
+                     id="prefix-space"),
+        pytest.param({"HOPSCHED_PREFIX": ""}, ["prefix"], id="prefix-empty"),
+        pytest.param({"HOPSCHED_PREFIX": "p" * 101}, ["prefix", "1-100"], id="prefix-too-long"),
+        pytest.param({"HOPSCHED_URL": "http://localhost:15672/"}, ["amqp://", "amqps://"],
+                     id="url-scheme"),
+        pytest.param({"HOPSCHED_URL": "localhost"}, ["amqp://"], id="url-no-scheme"),
+        pytest.param({"HOPSCHED_LOG_INTERVAL_S": "0"}, ["log_interval_s", "> 0"],
+                     id="log-interval-zero"),
+        pytest.param({"HOPSCHED_LOG_INTERVAL_S": "soon"}, ["HOPSCHED_LOG_INTERVAL_S", "float"],
+                     id="log-interval-not-float"),
+    ],
+)  # fmt: skip
+def test_bad_value_raises_invalid_schedule_error_saying_what_is_wrong(
+    environ: dict[str, str], expected: list[str]
+) -> None:
+    with pytest.raises(InvalidScheduleError) as caught:
+        Settings.from_env(environ)
+
+    for text in expected:
+        assert text in str(caught.value)
+    assert isinstance(caught.value, HopschedError)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_nan_log_interval_is_rejected() -> None:
+    with pytest.raises(InvalidScheduleError, match="log_interval_s"):
+        Settings.from_env({"HOPSCHED_LOG_INTERVAL_S": "nan"})
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["a", "hopsched", "team-a.delays_v2:blue", "P" * 100],
+    ids=["1", "default", "mix", "100"],
+)
+def test_valid_prefixes_are_accepted(prefix: str) -> None:
+    assert Settings(prefix=prefix).prefix == prefix
+
+
+# --- the password is never shown ----------------------------------------------------------
+
+UNRESERVED = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~"
+
+
+@given(
+    scheme=st.sampled_from(["amqp", "amqps"]),
+    user=st.text(UNRESERVED, max_size=12),
+    password=st.text(UNRESERVED, min_size=1, max_size=40),
+    port=st.none() | st.integers(1, 65535),
+    vhost=st.sampled_from(["", "/", "/%2F", "/prod", "/prod?heartbeat=30"]),
+)
+def test_mask_url_replaces_a_url_safe_password(
+    scheme: str, user: str, password: str, port: int | None, vhost: str
+) -> None:
+    host = "broker.internal" if port is None else f"broker.internal:{port}"
+
+    masked = mask_url(f"{scheme}://{user}:{password}@{host}{vhost}")
+
+    assert masked == f"{scheme}://{user}:***@{host}{vhost}"
+
+
+@given(password=st.text(min_size=1, max_size=40), user=st.text(max_size=12))
+def test_mask_url_replaces_a_percent_encoded_password(password: str, user: str) -> None:
+    encoded = quote(password, safe="")
+    encoded_user = quote(user, safe="")
+
+    masked = mask_url(f"amqps://{encoded_user}:{encoded}@broker.internal:5671/%2F")
+
+    assert masked == f"amqps://{encoded_user}:***@broker.internal:5671/%2F"
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        pytest.param("amqp://u:s3cret@[::1]:5672/v", "amqp://u:***@[::1]:5672/v", id="ipv6"),
+        pytest.param("amqp://u:s3cret@[::1]/", "amqp://u:***@[::1]/", id="ipv6-no-port"),
+        pytest.param("amqp://u:s3cret@[fe80::1%25eth0]:5672/",
+                     "amqp://u:***@[fe80::1%25eth0]:5672/", id="ipv6-zone"),
+        pytest.param("amqps://u:p%40ss%3Aw%2Frd@h:5671/", "amqps://u:***@h:5671/",
+                     id="amqps-percent-encoded"),
+        pytest.param("amqp://u:pa:ss@h/", "amqp://u:***@h/", id="colon-in-password"),
+        pytest.param("amqp://u:p@ss@h/", "amqp://u:***@h/", id="raw-at-in-password"),
+        pytest.param("amqp://:s3cret@h/", "amqp://:***@h/", id="no-user"),
+        pytest.param("amqp://u:@h/", "amqp://u:***@h/", id="empty-password"),
+        pytest.param("amqp://u@h:5672/v", "amqp://u@h:5672/v", id="no-password"),
+        pytest.param("amqp://h/", "amqp://h/", id="no-credentials"),
+        pytest.param("amqp://u:s3cret@h/?heartbeat=30#frag", "amqp://u:***@h/?heartbeat=30#frag",
+                     id="query-and-fragment"),
+    ],
+)  # fmt: skip
+def test_mask_url(url: str, expected: str) -> None:
+    assert mask_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param("amqp://u:s3cret@[::1/", id="unclosed-ipv6"),
+        pytest.param("amqp://u:s3cret@host:99999/", id="port-out-of-range"),
+        pytest.param("amqp://u:s3cret@host:port/", id="port-not-a-number"),
+    ],
+)
+def test_mask_url_of_an_unparsable_url_hides_everything(url: str) -> None:
+    assert "s3cret" not in mask_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param("amqp://u:pa/ss3cret@h/", id="slash"),
+        pytest.param("amqp://u:5672/ss3cret@h/", id="digits-then-slash-parse-as-a-port"),
+        pytest.param("amqp://u:pa#ss3cret@h/", id="hash"),
+        pytest.param("amqp://u:pa?ss3cret@h/", id="question-mark"),
+    ],
+)
+def test_mask_url_hides_a_password_with_unencoded_reserved_characters(url: str) -> None:
+    assert "ss3cret" not in mask_url(url)
+
+
+def test_masked_url_of_settings_hides_the_password() -> None:
+    settings = Settings(url="amqps://svc:hunter2@broker:5671/prod")
+
+    assert settings.masked_url == "amqps://svc:***@broker:5671/prod"
+
+
+def test_settings_repr_hides_the_password() -> None:
+    settings = Settings(url="amqps://svc:hunter2@broker:5671/prod")
+
+    assert "hunter2" not in repr(settings)
+    assert "hunter2" not in str(settings)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param("http://svc:s3cret@broker/", id="wrong-scheme"),
+        pytest.param("amqp://svc:s3cret@[::1/", id="unclosed-ipv6"),
+        pytest.param("amqp://svc:s3cret@broker:99999/", id="port-out-of-range"),
+        pytest.param("amqp://svc:s3cret@broker:port/", id="port-not-a-number"),
+    ],
+)
+def test_bad_url_is_rejected_without_showing_the_password(url: str) -> None:
+    with pytest.raises(InvalidScheduleError) as caught:
+        Settings.from_env({"HOPSCHED_URL": url})
+
+    assert "s3cret" not in str(caught.value)
+    assert "s3cret" not in repr(caught.value)
