@@ -91,9 +91,9 @@ def main(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if not verbose:  # aio-pika/aiormq log reconnect internals at INFO/WARNING
-        logging.getLogger("aiormq").setLevel(logging.ERROR)
-        logging.getLogger("aio_pika").setLevel(logging.ERROR)
+    if not verbose:  # hopsched reports connection trouble itself, once and masked
+        logging.getLogger("aiormq").setLevel(logging.CRITICAL)
+        logging.getLogger("aio_pika").setLevel(logging.CRITICAL)
 
 
 @main.command()

@@ -27,17 +27,22 @@ async def connect(settings: Settings, *, name: str = "hopsched") -> aio_pika.abc
             f"{settings.masked_url}: login refused; check the user name and password in the URL"
         ) from None
     except aiormq.exceptions.AMQPConnectionError as error:
+        if isinstance(error.__cause__, OSError):  # aiormq wraps socket errors
+            raise _unreachable(settings, error.__cause__) from None
         raise BrokerUnavailableError(
             f"{settings.masked_url}: the broker refused the connection "
             f"({_reason(error, settings)}); "
             "check the vhost and the user's permissions"
         ) from None
     except (OSError, TimeoutError) as error:
-        raise BrokerUnavailableError(
-            f"{settings.masked_url}: cannot reach the broker ({_reason(error, settings)}); "
-            "is RabbitMQ "
-            "running and listening there?"
-        ) from None
+        raise _unreachable(settings, error) from None
+
+
+def _unreachable(settings: Settings, error: BaseException) -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        f"{settings.masked_url}: cannot reach the broker ({_reason(error, settings)}); "
+        "is RabbitMQ running and listening there?"
+    )
 
 
 def _reason(error: BaseException, settings: Settings) -> str:

@@ -48,7 +48,14 @@ class TopologyMismatchError(HopschedError):
     """
 
     def __init__(
-        self, queue: str, argument: str, wanted: str, existing: str, broker_text: str
+        self,
+        queue: str,
+        argument: str,
+        wanted: str,
+        existing: str,
+        broker_text: str,
+        *,
+        kind: str = "queue",
     ) -> None:
         self.queue = queue
         self.argument = argument
@@ -56,12 +63,16 @@ class TopologyMismatchError(HopschedError):
         self.existing = existing
         self.broker_text = broker_text
         super().__init__(
-            f"queue {queue!r} already exists with {argument}={existing}, but this "
+            f"{kind} {queue!r} already exists with {argument}={existing}, but this "
             f"configuration declares {argument}={wanted}. Fix: use the same settings as "
             f"the processes already running on this prefix (queue type, ladder), or pick "
-            f"another --prefix, or delete the queue once it is empty "
-            f"(rabbitmqctl delete_queue {queue}; its messages are lost). "
-            f"Broker said: {broker_text}"
+            f"another --prefix, or delete the {kind} once it is empty"
+            + (
+                f" (rabbitmqctl delete_queue {queue}; its messages are lost)"
+                if kind == "queue"
+                else ""
+            )
+            + f". Broker said: {broker_text}"
         )
 
 

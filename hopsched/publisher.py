@@ -2,10 +2,16 @@
 
 Shared by the Scheduler and the Relay. A publish returns only once the broker has
 confirmed it (publisher confirms, https://www.rabbitmq.com/docs/confirms); a
-``basic.return`` (no queue bound) raises ``Unroutable``. A publish to a missing
-exchange (404) or one the user may not write to (403) makes the broker close the
-channel, which fails every publish in flight on it; those are retried one at a time
-on a second channel so that only the publish at fault raises ``TargetRefused``.
+``basic.return`` (no queue bound) raises ``Unroutable``.
+
+A publish to a missing exchange (404) or one the user may not write to (403) makes
+the broker close the channel. Every other publish in flight on that channel fails
+too, and aiormq may still write frames queued behind the close, which the broker
+answers by closing the whole connection (504 CHANNEL_ERROR). So a publish goes on
+the shared "fast" channel only to an exchange this publisher has already published
+to successfully; the first publish to any other exchange, and every publish whose
+channel was closed under it, goes one at a time on a "careful" channel, where a
+close can only be its own fault and becomes ``TargetRefused``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def with_properties(properties: Basic.Properties, **changes: Any) -> Basic.Prope
 
 
 class ConfirmedPublisher:
-    """Publishes on a connection with publisher confirms and ``mandatory`` set.
+    """Publishes on one connection with publisher confirms and ``mandatory`` set.
 
     aiormq matches a ``basic.return`` to its publish by ``message_id``, so two
     publishes with the same ``message_id`` are never in flight at once here.
@@ -55,6 +61,8 @@ class ConfirmedPublisher:
         self._open_lock = asyncio.Lock()
         self._careful_lock = asyncio.Lock()
         self._in_flight: dict[str, asyncio.Future[None]] = {}
+        # Exchanges a publish has reached on this connection; the default one always exists.
+        self._proven_exchanges: set[str] = {""}
 
     async def _channel(self, role: str) -> aiormq.abc.AbstractChannel:
         channel = self._channels.get(role)
@@ -94,20 +102,32 @@ class ConfirmedPublisher:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._in_flight[message_id] = done
         try:
-            try:
-                channel = await self._channel("fast")
-                await self._publish_on(channel, body, properties, exchange, routing_key)
-            except _CHANNEL_GONE:
-                # Some publish closed the shared channel; find out whether it was this one.
-                async with self._careful_lock:
-                    channel = await self._channel("careful")
-                    try:
-                        await self._publish_on(channel, body, properties, exchange, routing_key)
-                    except aiormq.exceptions.ChannelClosed as error:
-                        raise TargetRefused(_describe(error, exchange, routing_key)) from None
+            if exchange in self._proven_exchanges:
+                try:
+                    channel = await self._channel("fast")
+                    await self._publish_on(channel, body, properties, exchange, routing_key)
+                    return
+                except _CHANNEL_GONE:
+                    pass  # some publish closed the shared channel: was it this one?
+            await self._publish_carefully(body, properties, exchange, routing_key)
         finally:
             del self._in_flight[message_id]
             done.set_result(None)
+
+    async def _publish_carefully(
+        self, body: bytes, properties: Basic.Properties, exchange: str, routing_key: str
+    ) -> None:
+        async with self._careful_lock:
+            channel = await self._channel("careful")
+            try:
+                await self._publish_on(channel, body, properties, exchange, routing_key)
+            except Unroutable:
+                self._proven_exchanges.add(exchange)  # it exists: the return says so
+                raise
+            except aiormq.exceptions.ChannelClosed as error:
+                self._proven_exchanges.discard(exchange)
+                raise TargetRefused(_describe(error, exchange, routing_key)) from None
+            self._proven_exchanges.add(exchange)
 
     @staticmethod
     async def _publish_on(

@@ -209,6 +209,15 @@ class Relay:
         except EnvelopeError as error:
             await self._park(publisher, delivered, f"malformed envelope: {error.reason}")
             return
+        if properties.user_id is not None and properties.user_id != self.settings.login:
+            await self._park(
+                publisher,
+                delivered,
+                f"user_id {properties.user_id!r} is not this relay's login "
+                f"{self.settings.login!r}: RabbitMQ refuses to publish it "
+                "(https://www.rabbitmq.com/docs/validated-user-id); run the relay as that user",
+            )
+            return
         action = self._ladder.plan(now_us=now_us(), due_us=envelope.due_us)
         try:
             if isinstance(action, Hop):

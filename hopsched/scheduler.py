@@ -166,6 +166,12 @@ class Scheduler:
         if isinstance(message, bytes | bytearray):
             message = aio_pika.Message(bytes(message), delivery_mode=PERSISTENT)
         properties: Basic.Properties = message.properties
+        if properties.user_id is not None and properties.user_id != self.settings.login:
+            raise InvalidScheduleError(
+                f"user_id={properties.user_id!r}: RabbitMQ accepts only the login user "
+                f"({self.settings.login!r}) here, and the relay must log in as it too "
+                "(https://www.rabbitmq.com/docs/validated-user-id)"
+            )
         action = self.settings.ladder.plan(now_us=now, due_us=due_us)
         envelope = Envelope(
             schedule_id=schedule_id or uuid.uuid4().hex,

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from hopsched.errors import InvalidScheduleError
 from hopsched.ladder import Ladder
@@ -123,6 +123,11 @@ class Settings:
             hold_window_ms=self.hold_window_ms,
             hop_margin_ms=self.hop_margin_ms,
         )
+
+    @property
+    def login(self) -> str:
+        """The user name the URL logs in with (aio-pika's default: ``guest``)."""
+        return unquote(urlsplit(self.url).username or "guest")
 
     @property
     def masked_url(self) -> str:

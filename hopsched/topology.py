@@ -19,8 +19,13 @@ __all__ = ["DEAD_LETTER_ROUTING_KEY", "Topology"]
 DEAD_LETTER_ROUTING_KEY = "expired"
 
 _INEQUIVALENT = re.compile(
-    r"inequivalent arg '(?P<arg>[^']+)' for queue '(?P<queue>[^']+)' in vhost '[^']*': "
+    r"inequivalent arg '(?P<arg>[^']+)' for (?P<kind>queue|exchange) '(?P<queue>[^']+)' "
+    r"in vhost '[^']*': "
     r"received (?P<received>.+?) but current is (?P<current>.+)$"
+)
+# How RabbitMQ 3.x words an argument value in that message.
+_VALUE = re.compile(
+    r"^(?:the value '(?P<typed>.*)' of type '[^']*'|'(?P<quoted>.*)'|(?P<bare>.*))$"
 )
 
 
@@ -100,28 +105,63 @@ class Topology:
             TopologyMismatchError: a queue exists with other arguments (AMQP 406);
                 names the queue, the argument and the fix. Not worth retrying.
         """
+        declaring = self.expired_exchange
         async with connection.channel(publisher_confirms=False) as channel:
             try:
                 exchange = await channel.declare_exchange(
                     self.expired_exchange, aio_pika.ExchangeType.DIRECT, durable=True
                 )
                 for name, arguments in self.queues().items():
+                    declaring = name
                     queue = await channel.declare_queue(name, durable=True, arguments=arguments)
                     if name == self.relay_queue:
                         await queue.bind(exchange, routing_key=DEAD_LETTER_ROUTING_KEY)
             except aiormq.exceptions.ChannelPreconditionFailed as error:
-                raise _mismatch(error) from None
+                raise await self._explain(connection, declaring, error) from None
+
+    async def _explain(
+        self,
+        connection: aio_pika.abc.AbstractConnection,
+        queue: str,
+        error: aiormq.exceptions.ChannelPreconditionFailed,
+    ) -> TopologyMismatchError:
+        """The mismatch, named by its root cause where that is the queue type.
+
+        RabbitMQ names only the first argument that differs, which for a quorum/classic
+        mix is a quorum-only one (x-dead-letter-strategy, x-overflow). Redeclaring with
+        the other type's arguments, a no-op if they match, tells the real difference.
+        """
+        text = str(error.args[0] if error.args else error)
+        if queue not in self.queues():
+            return _mismatch(text)
+        other: QueueType = "classic" if self.queue_type == "quorum" else "quorum"
+        try:
+            async with connection.channel(publisher_confirms=False) as channel:
+                arguments = Topology(self.prefix, self.ladder, other).queues()[queue]
+                await channel.declare_queue(queue, durable=True, arguments=arguments)
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            return _mismatch(text)
+        return TopologyMismatchError(queue, "x-queue-type", self.queue_type, other, text)
 
 
-def _mismatch(error: aiormq.exceptions.ChannelPreconditionFailed) -> TopologyMismatchError:
-    text = str(error.args[0] if error.args else error)
+def _mismatch(text: str) -> TopologyMismatchError:
     match = _INEQUIVALENT.search(text)
     if match is None:
         return TopologyMismatchError("?", "?", "?", "?", text)
     return TopologyMismatchError(
-        match["queue"], match["arg"], _unquote(match["received"]), _unquote(match["current"]), text
+        match["queue"],
+        match["arg"],
+        _unquote(match["received"]),
+        _unquote(match["current"]),
+        text,
+        kind=match["kind"],
     )
 
 
 def _unquote(value: str) -> str:
-    return value[1:-1] if len(value) > 1 and value[0] == value[-1] == "'" else value
+    match = _VALUE.match(value.strip())
+    assert match is not None  # the pattern's last branch matches anything
+    result = match["typed"] if match["typed"] is not None else match["quoted"]
+    if result is None:
+        result = "(not set)" if match["bare"] == "none" else match["bare"]
+    return result

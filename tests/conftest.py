@@ -1,0 +1,134 @@
+"""Fixtures for integration tests against a real RabbitMQ broker.
+
+The broker is ``HOPSCHED_TEST_URL`` (default ``amqp://guest:guest@127.0.0.1:5672/``).
+If it cannot be reached, every test that needs it fails with a clear message; none is
+skipped. Each test gets its own prefix and deletes every queue and exchange it made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import aio_pika
+import pytest
+from support import Cleanup, Relays, Targets
+
+import hopsched
+
+BROKER_URL = os.environ.get("HOPSCHED_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def _probe(url: str) -> str | None:
+    """None if ``url`` accepts a login, else why not (the password masked)."""
+
+    async def attempt() -> None:
+        connection = await asyncio.wait_for(aio_pika.connect(url), 10)
+        await connection.close()
+
+    try:
+        asyncio.run(attempt())
+    except BaseException as error:  # report whatever it was
+        text = f"{type(error).__name__}: {error}"
+        password = urlsplit(url).password
+        return text.replace(password, "***") if password else text
+    return None
+
+
+@pytest.fixture(scope="session")
+def broker_url() -> str:
+    """The broker URL, checked once per session (in a thread: no event loop is touched)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        problem = pool.submit(_probe, BROKER_URL).result()
+    if problem is not None:
+        pytest.fail(
+            f"RabbitMQ is not reachable at {hopsched.mask_url(BROKER_URL)} ({problem}). "
+            "The integration tests need a running broker: start it "
+            "(rabbitmq-server -detached) or point HOPSCHED_TEST_URL at one.",
+            pytrace=False,
+        )
+    return BROKER_URL
+
+
+@pytest.fixture
+async def cleanup(broker_url: str) -> AsyncIterator[Cleanup]:
+    registry = Cleanup(broker_url)
+    yield registry
+    problems = await registry.run()
+    assert not problems, f"cleanup failed: {problems}"
+
+
+@pytest.fixture
+def queue_type() -> str:
+    """Override with ``@pytest.mark.parametrize("queue_type", ["classic"])``."""
+    return "quorum"
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def make_settings(
+    broker_url: str, prefix: str, queue_type: str, cleanup: Cleanup
+) -> Callable[..., hopsched.Settings]:
+    """``make_settings(**overrides)``: Settings on this test's prefix, cleaned up after."""
+
+    def make(**overrides: Any) -> hopsched.Settings:
+        values: dict[str, Any] = {
+            "url": broker_url,
+            "prefix": prefix,
+            "queue_type": queue_type,
+            "log_interval_s": 5.0,
+        }
+        values.update(overrides)
+        settings = hopsched.Settings(**values)
+        cleanup.topology(settings)
+        return settings
+
+    return make
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., hopsched.Settings]) -> hopsched.Settings:
+    return make_settings()
+
+
+@pytest.fixture
+async def amqp(broker_url: str, cleanup: Cleanup) -> AsyncIterator[aio_pika.abc.AbstractConnection]:
+    """A plain aio-pika connection for the test's own declares, consumers and probes."""
+    connection = await aio_pika.connect(broker_url)
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
+async def targets(amqp: aio_pika.abc.AbstractConnection, cleanup: Cleanup) -> Targets:
+    return Targets(amqp, cleanup)
+
+
+@pytest.fixture
+async def relays(cleanup: Cleanup) -> AsyncIterator[Relays]:
+    runner = Relays()
+    yield runner
+    await runner.stop_all()
+
+
+@pytest.fixture
+async def relay(relays: Relays, settings: hopsched.Settings) -> hopsched.Relay:
+    """A relay consuming ``settings``' prefix for the whole test."""
+    return await relays.start(settings)
+
+
+@pytest.fixture
+async def scheduler(
+    settings: hopsched.Settings, cleanup: Cleanup
+) -> AsyncIterator[hopsched.Scheduler]:
+    async with hopsched.Scheduler(settings) as entered:
+        yield entered

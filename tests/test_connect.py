@@ -1,0 +1,127 @@
+"""Connection failures are clear errors, and no password ever reaches an error or a log."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from support import Relays, Targets, rabbitmqctl, rabbitmqctl_path
+
+import hopsched
+
+PASSWORD = "s3cretPW"
+
+
+def with_login(url: str, user: str, password: str, port: int | None = None) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{user}:{password}@{host}:{port if port is not None else parts.port or 5672}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def everything_said(error: BaseException, caplog: pytest.LogCaptureFixture) -> str:
+    """The error as str, repr and traceback, plus every captured log line and traceback."""
+    records = [f"{r.name} {r.getMessage()} {r.exc_text or ''}" for r in caplog.records]
+    return "\n".join(
+        [str(error), repr(error), *traceback.format_exception(error), caplog.text, *records]
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(lambda url: with_login(url, "guest", PASSWORD), id="wrong-password"),
+        pytest.param(lambda url: with_login(url, "guest", PASSWORD, port=1), id="closed-port"),
+    ],
+)
+@pytest.mark.parametrize("client", ["scheduler", "relay"])
+async def test_connection_errors_mask_the_password(
+    broker_url: str,
+    prefix: str,
+    case: Callable[[str], str],
+    client: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    settings = hopsched.Settings(url=case(broker_url), prefix=prefix)
+
+    async def connect() -> None:
+        if client == "relay":
+            await hopsched.Relay(settings).run()
+            return
+        async with hopsched.Scheduler(settings):
+            pytest.fail("connected with a wrong password or to a closed port")
+
+    with pytest.raises(hopsched.BrokerUnavailableError) as caught:
+        await connect()
+    error = caught.value
+    print(f"\n{client}: {error}")
+    assert isinstance(error, ConnectionError)
+    assert PASSWORD not in everything_said(error, caplog)
+    assert settings.masked_url in str(error)
+
+
+@pytest.fixture
+async def login_url(broker_url: str) -> AsyncIterator[tuple[str, str]]:
+    """(url, password): a throw-away broker user whose password appears nowhere else.
+
+    Without rabbitmqctl (a remote broker), the test URL itself; its password must then
+    differ from the user name for the check to mean anything.
+    """
+    if rabbitmqctl_path() is None:
+        password = urlsplit(broker_url).password or ""
+        yield broker_url, password
+        return
+    user, password = f"hopsched-{uuid.uuid4().hex[:8]}", f"pw{uuid.uuid4().hex}"
+    await rabbitmqctl("add_user", user, password)
+    try:
+        await rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+        yield with_login(broker_url, user, password), password
+    finally:
+        await rabbitmqctl("delete_user", user)
+
+
+async def test_relay_and_scheduler_logs_never_show_the_password(
+    login_url: tuple[str, str],
+    make_settings: Callable[..., hopsched.Settings],
+    relays: Relays,
+    targets: Targets,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url, password = login_url
+    settings = make_settings(url=url, log_interval_s=0.2)
+    relay = await relays.start(settings)
+    target = await targets.queue()
+    async with hopsched.Scheduler(settings) as scheduler:
+        await scheduler.schedule(b"logged", delay=0.1, routing_key=target.name)
+        await scheduler.schedule(b"parked", delay=0.0, exchange="", routing_key="no.such.q")
+    await target.wait_for(1, within=30)
+    await relays.stop(relay)
+    assert relay.totals.parked == 1
+    text = caplog.text + "\n".join(r.getMessage() for r in caplog.records)
+    assert settings.masked_url in text, "the relay's start line was not captured"
+    assert "totals: delivered=1" in text
+    if password and password != urlsplit(url).username:
+        assert password not in text
+    assert f":{password}@" not in text
+
+
+async def test_closed_port_error_says_the_broker_is_unreachable(
+    broker_url: str, prefix: str
+) -> None:
+    """Nothing listening is not a vhost or permission problem: the hint must say so."""
+    settings = hopsched.Settings(
+        url=with_login(broker_url, "guest", PASSWORD, port=1), prefix=prefix
+    )
+    with pytest.raises(hopsched.BrokerUnavailableError) as caught:
+        async with hopsched.Scheduler(settings):
+            pytest.fail("connected to port 1")
+    text = str(caught.value)
+    assert "cannot reach the broker" in text, text
+    assert "vhost" not in text, text
+    assert "permissions" not in text, text
