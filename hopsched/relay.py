@@ -191,6 +191,8 @@ class Relay:
         except (*_CONNECTION_LOST, aiormq.exceptions.ChannelInvalidStateError):
             pass  # unacked: redelivered after reconnect (at-least-once)
         except Exception:
+            if consumer.is_closed:
+                return  # the connection went while this delivery was held: same as above
             log.exception(
                 "could not relay or park a delivery; it stays on %s and comes back",
                 self.topology.relay_queue,
