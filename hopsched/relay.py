@@ -239,34 +239,28 @@ class Relay:
         envelope: Envelope,
         step_ms: int,
     ) -> None:
-        properties = delivered.header.properties
-        await publisher.publish(
-            delivered.body,
-            with_properties(
-                properties,
-                headers=hop_headers(properties.headers, envelope.hops + 1),
-                expiration=None,
-                delivery_mode=PERSISTENT,
-            ),
+        await _forward(
+            publisher,
+            delivered,
             exchange="",
             routing_key=self.topology.step_queue(step_ms),
+            headers=hop_headers(delivered.header.properties.headers, envelope.hops + 1),
+            expiration=None,
+            delivery_mode=PERSISTENT,
         )
         self.totals.hops += 1
 
     async def _deliver(
         self, publisher: ConfirmedPublisher, delivered: DeliveredMessage, envelope: Envelope
     ) -> None:
-        properties = delivered.header.properties
-        await publisher.publish(
-            delivered.body,
-            with_properties(
-                properties,
-                headers=delivery_headers(properties.headers),
-                expiration=envelope.expiration,
-                delivery_mode=_callers_delivery_mode(envelope),
-            ),
+        await _forward(
+            publisher,
+            delivered,
             exchange=envelope.exchange,
             routing_key=envelope.routing_key,
+            headers=delivery_headers(delivered.header.properties.headers),
+            expiration=envelope.expiration,
+            delivery_mode=_callers_delivery_mode(envelope),
         )
         self.totals.delivered += 1
         self.totals.lateness.record(now_us() - envelope.due_us)
@@ -283,17 +277,15 @@ class Relay:
         headers = parked_headers(properties.headers, reason, now_us())
         if properties.user_id is not None:
             headers[HEADER_USER_ID] = properties.user_id
-        await publisher.publish(
-            delivered.body,
-            with_properties(
-                properties,
-                headers=_encodable(headers),
-                expiration=None,
-                delivery_mode=PERSISTENT,
-                user_id=None,
-            ),
+        await _forward(
+            publisher,
+            delivered,
             exchange="",
             routing_key=self.topology.parked_queue,
+            headers=_encodable(headers),
+            expiration=None,
+            delivery_mode=PERSISTENT,
+            user_id=None,
         )
         self.totals.parked += 1
         log.warning(
@@ -327,6 +319,23 @@ def _encodable(value: Any) -> Any:
     if isinstance(value, list):
         return [_encodable(v) for v in value]
     return value
+
+
+async def _forward(
+    publisher: ConfirmedPublisher,
+    delivered: DeliveredMessage,
+    *,
+    exchange: str,
+    routing_key: str,
+    **changes: Any,
+) -> None:
+    """Publish ``delivered``'s body and properties, with ``changes``, confirmed."""
+    await publisher.publish(
+        delivered.body,
+        with_properties(delivered.header.properties, **changes),
+        exchange=exchange,
+        routing_key=routing_key,
+    )
 
 
 def _callers_delivery_mode(envelope: Envelope) -> int | None:

@@ -355,21 +355,14 @@ async def park_when_due_together(
     assert relays.is_running(relay)
 
 
-async def test_parks_unroutable_due_at_the_same_instant_as_valid_ones(
+@pytest.mark.parametrize("invalid", ["unroutable", "missing"])
+async def test_parks_invalid_targets_due_at_the_same_instant_as_valid_ones(
+    invalid: str,
     settings: hopsched.Settings,
     relay: hopsched.Relay,
     relays: Relays,
     scheduler: hopsched.Scheduler,
     targets: Targets,
 ) -> None:
-    await park_when_due_together(relay, relays, scheduler, targets, settings, "unroutable")
-
-
-async def test_parks_missing_exchange_due_at_the_same_instant_as_valid_ones(
-    settings: hopsched.Settings,
-    relay: hopsched.Relay,
-    relays: Relays,
-    scheduler: hopsched.Scheduler,
-    targets: Targets,
-) -> None:
-    await park_when_due_together(relay, relays, scheduler, targets, settings, "missing")
+    """A 404 among confirms in flight must not take the relay's connection down."""
+    await park_when_due_together(relay, relays, scheduler, targets, settings, invalid)
