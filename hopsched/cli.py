@@ -271,7 +271,9 @@ def demo(
     seed: int | None,
 ) -> None:
     """Run a relay in-process, schedule COUNT real messages, print how late they came."""
-    settings = _settings(url=url, prefix=prefix or "hopsched-demo", queue_type=queue_type)
+    # A prefix of its own per queue type: one prefix holds one kind of ladder.
+    default_prefix = "hopsched-demo" + ("-classic" if queue_type == "classic" else "")
+    settings = _settings(url=url, prefix=prefix or default_prefix, queue_type=queue_type)
     max_delay_s = max_delay.total_seconds()
     if max_delay_s <= 0.01:
         raise click.BadParameter("must be more than 10ms", param_hint="--max-delay")
