@@ -18,7 +18,7 @@ import click
 from hopsched.connect import connect
 from hopsched.demo import run_demo
 from hopsched.durations import parse_duration
-from hopsched.errors import HopschedError
+from hopsched.errors import HopschedError, InvalidScheduleError
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduler
 from hopsched.settings import Settings
@@ -54,9 +54,12 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coroutine``; a HopschedError becomes a one-line error and exit status 1."""
+    """Run ``coroutine``; a HopschedError becomes a one-line error: exit status 2 for bad
+    input, 1 for anything else (broker unreachable, topology mismatch)."""
     try:
         return asyncio.run(coroutine)
+    except InvalidScheduleError as error:
+        raise click.UsageError(str(error)) from None
     except HopschedError as error:
         raise click.ClickException(str(error)) from None
 
@@ -69,8 +72,9 @@ def _parse_at(_: click.Context, __: click.Parameter, value: str | None) -> datet
     except ValueError:
         raise click.BadParameter(f"{value!r}: use ISO 8601, e.g. 2030-01-01T09:00:00Z") from None
     if at.tzinfo is None:
+        example = at.isoformat()
         raise click.BadParameter(
-            f"{value!r} has no UTC offset; add one, e.g. {value}Z or {value}+01:00"
+            f"{value!r} has no UTC offset; add one, e.g. {example}Z or {example}+01:00"
         )
     return at
 
@@ -118,7 +122,9 @@ def relay(
 @main.command()
 @_connection_options
 @click.option("--at", "at", callback=_parse_at, help="Due time, ISO 8601 with offset.")
-@click.option("--in", "delay", callback=_parse_in, help="Delay: 250ms, 90s, 5m, 2h, 1d.")
+@click.option(
+    "--in", "delay", callback=_parse_in, help="Delay: 250ms, 90s, 5m, 2h, 1d (<= 0: now)."
+)
 @click.option(
     "--routing-key",
     "-k",
@@ -153,6 +159,10 @@ def schedule(
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{item!r}: write K=V", param_hint="--header")
+        if key.startswith("x-hopsched-"):
+            raise click.BadParameter(
+                f"{key!r}: x-hopsched-* headers are hopsched's own", param_hint="--header"
+            )
         header_table[key] = value
     payload = body_file.read() if body_file is not None else (body or "").encode()
     message = aio_pika.Message(

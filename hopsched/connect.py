@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import asyncio
 
 import aio_pika
 import aiormq
@@ -10,31 +10,41 @@ import aiormq
 from hopsched.errors import BrokerUnavailableError
 from hopsched.settings import Settings
 
-__all__ = ["connect"]
+__all__ = ["CONNECT_TIMEOUT_S", "connect"]
+
+#: How long the TCP connect and the AMQP handshake may take together, in seconds.
+CONNECT_TIMEOUT_S = 10.0
 
 
 async def connect(settings: Settings, *, name: str = "hopsched") -> aio_pika.abc.AbstractConnection:
     """Open a (non-robust) aio-pika connection to ``settings.url``.
 
     Raises:
-        BrokerUnavailableError: refused, unreachable, bad credentials or vhost; the
-            message names the masked URL and the cause.
+        BrokerUnavailableError: unreachable, no AMQP answer within ``CONNECT_TIMEOUT_S``,
+            login refused, no such vhost or no access to it; the message names the
+            masked URL and the cause.
     """
+    url = settings.masked_url
     try:
-        return await aio_pika.connect(settings.url, client_properties={"connection_name": name})
-    except aiormq.exceptions.ProbableAuthenticationError:  # before its parent below
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            return await aio_pika.connect(settings.url, client_properties={"connection_name": name})
+    except TimeoutError:
         raise BrokerUnavailableError(
-            f"{settings.masked_url}: login refused; check the user name and password in the URL"
+            f"{url}: no AMQP handshake within {CONNECT_TIMEOUT_S:g} s; is this RabbitMQ's "
+            "AMQP port (5672, or 5671 for amqps)?"
+        ) from None
+    except aiormq.exceptions.ProbableAuthenticationError:
+        raise BrokerUnavailableError(
+            f"{url}: login refused; check the user name and password in the URL "
+            "(percent-encode '/', '#', '?', '@' and ':' in them)"
         ) from None
     except aiormq.exceptions.AMQPConnectionError as error:
         if isinstance(error.__cause__, OSError):  # aiormq wraps socket errors
             raise _unreachable(settings, error.__cause__) from None
-        raise BrokerUnavailableError(
-            f"{settings.masked_url}: the broker refused the connection "
-            f"({_reason(error, settings)}); "
-            "check the vhost and the user's permissions"
-        ) from None
-    except (OSError, TimeoutError) as error:
+        raise _refused(settings, error) from None
+    except aiormq.exceptions.AMQPError as error:  # e.g. Connection.Close for a missing vhost
+        raise _refused(settings, error) from None
+    except OSError as error:
         raise _unreachable(settings, error) from None
 
 
@@ -45,11 +55,15 @@ def _unreachable(settings: Settings, error: BaseException) -> BrokerUnavailableE
     )
 
 
+def _refused(settings: Settings, error: BaseException) -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        f"{settings.masked_url}: the broker closed the connection during the handshake "
+        f"({_reason(error, settings)}); check that the vhost in the URL exists and the "
+        "user may use it (rabbitmqctl list_permissions -p VHOST), and that the port is "
+        "RabbitMQ's AMQP port"
+    )
+
+
 def _reason(error: BaseException, settings: Settings) -> str:
     text = str(error) or type(error).__name__
-    password = urlsplit(settings.url).password
-    return (
-        text.replace(settings.url, settings.masked_url).replace(password, "***")
-        if password
-        else text
-    )
+    return text.replace(settings.url, settings.masked_url)

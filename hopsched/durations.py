@@ -33,6 +33,6 @@ def parse_duration(text: str) -> timedelta:
         )
     try:
         micros = Decimal(match["number"]) * _UNITS_US[match["unit"]]
-    except InvalidOperation:
-        raise ValueError(f"{text!r} is not a duration") from None
-    return timedelta(microseconds=int(micros.to_integral_value(rounding="ROUND_CEILING")))
+        return timedelta(microseconds=int(micros.to_integral_value(rounding="ROUND_CEILING")))
+    except (InvalidOperation, OverflowError):
+        raise ValueError(f"{text!r} is too long a duration: at most 999999999d") from None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,8 @@ class Relay:
         self.settings = settings or Settings()
         self.topology = Topology.from_settings(self.settings)
         self.totals = RelayTotals()
+        self._last_report = RelayTotals()  # counts at the last totals line, and its window
+        self._last_report_at = time.monotonic()
         self._ladder = self.settings.ladder
         self._shutdown_timeout_s = shutdown_timeout_s
         self._stopping = asyncio.Event()
@@ -98,23 +102,31 @@ class Relay:
             log.info("relay stopped")
 
     async def _run(self) -> None:
-        delay, attempt = _RECONNECT_FIRST_S, 0
+        delay, failures, connected_before = _RECONNECT_FIRST_S, 0, False
         while not self._stopping.is_set():
             try:
-                connection = await connect(self.settings, name="hopsched-relay")
+                connection = await self._unless_stopping(
+                    connect(self.settings, name="hopsched-relay")
+                )
             except BrokerUnavailableError as error:
-                if attempt == 0:
-                    raise
-                attempt += 1
+                if not connected_before:
+                    raise  # a wrong URL at start is an error to report, not to retry
+                failures += 1
                 log.warning(
-                    "reconnect attempt %d failed: %s; next in %.1f s", attempt, error, delay
+                    "reconnect attempt %d failed: %s; next in %.1f s", failures, error, delay
                 )
                 await self._sleep_unless_stopping(delay)
                 delay = min(delay * 2, _RECONNECT_MAX_S)
                 continue
-            if attempt:
-                log.info("reconnected to %s after %d attempt(s)", self.settings.masked_url, attempt)
-            delay, attempt = _RECONNECT_FIRST_S, 1
+            if connection is None:
+                return  # stopped while connecting
+            if failures:
+                log.info(
+                    "reconnected to %s after %d failed attempt(s)",
+                    self.settings.masked_url,
+                    failures,
+                )
+            delay, failures, connected_before = _RECONNECT_FIRST_S, 0, True
             try:
                 await self._serve(connection)
             except _CONNECTION_LOST as error:
@@ -127,6 +139,22 @@ class Relay:
                 self._consuming.clear()
                 with contextlib.suppress(Exception):
                     await connection.close()
+
+    async def _unless_stopping(
+        self, work: Coroutine[Any, Any, aio_pika.abc.AbstractConnection]
+    ) -> aio_pika.abc.AbstractConnection | None:
+        """``await work``, unless ``stop()`` comes first: then cancel it, return None."""
+        task = asyncio.create_task(work)
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            connection = await task
+            await connection.close()  # it connected just as we were cancelling
+        return None
 
     async def _sleep_unless_stopping(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -262,8 +290,10 @@ class Relay:
             expiration=envelope.expiration,
             delivery_mode=_callers_delivery_mode(envelope),
         )
+        lateness_us = now_us() - envelope.due_us
         self.totals.delivered += 1
-        self.totals.lateness.record(now_us() - envelope.due_us)
+        self.totals.lateness.record(lateness_us)
+        self._last_report.lateness.record(lateness_us)
 
     async def _park(
         self, publisher: ConfirmedPublisher, delivered: DeliveredMessage, reason: str
@@ -300,14 +330,22 @@ class Relay:
             self._report()
 
     def _report(self) -> None:
-        totals = self.totals
+        """Log the last interval's counts and lateness, and the totals since start."""
+        now, last = self.totals, self._last_report
         log.info(
-            "totals: delivered=%d hops=%d parked=%d %s",
-            totals.delivered,
-            totals.hops,
-            totals.parked,
-            totals.lateness.summary(),
+            "last %.0f s: delivered=%d hops=%d parked=%d %s; since start: delivered=%d "
+            "hops=%d parked=%d",
+            time.monotonic() - self._last_report_at,
+            now.delivered - last.delivered,
+            now.hops - last.hops,
+            now.parked - last.parked,
+            last.lateness.summary(),
+            now.delivered,
+            now.hops,
+            now.parked,
         )
+        self._last_report = RelayTotals(now.delivered, now.hops, now.parked)
+        self._last_report_at = time.monotonic()
 
 
 def _encodable(value: Any) -> Any:

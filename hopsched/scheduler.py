@@ -6,7 +6,7 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from types import TracebackType
 
@@ -48,14 +48,28 @@ class Scheduled:
         return us_to_datetime(self.due_us)
 
 
+#: The latest due time: the end of year 9999 UTC, the last instant a datetime holds.
+MAX_DUE_US = datetime_to_us(datetime.max.replace(tzinfo=UTC))
+
+
 def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:
     """The due time in µs since the epoch from exactly one of ``at`` and ``delay``.
 
     Fractions of a microsecond round up, so a due time is never earlier than asked.
 
     Raises:
-        InvalidScheduleError: both or neither given, a naive datetime, a non-finite delay.
+        InvalidScheduleError: both or neither given, a naive datetime, a non-finite delay,
+            a due time after year 9999.
     """
+    due_us = _due_time_us(at, delay, now)
+    if due_us > MAX_DUE_US:
+        raise InvalidScheduleError(
+            f"due time {due_us} µs since the epoch is after year 9999: use a shorter delay"
+        )
+    return due_us
+
+
+def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:
     if (at is None) == (delay is None):
         raise InvalidScheduleError("give exactly one of at= (a datetime) and delay=")
     if at is not None:
@@ -74,6 +88,11 @@ def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) 
         raise InvalidScheduleError(f"delay={delay!r}: must be a timedelta or finite seconds")
     # Decimal of the float's shortest repr: exact, where delay * 1e6 could round down.
     return now + math.ceil(Decimal(repr(delay)) * 1_000_000)
+
+
+def _shorten(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 class Scheduler:
@@ -162,7 +181,9 @@ class Scheduler:
         due_us = due_time_us(at, delay, now)
         for name, value in (("exchange", exchange), ("routing_key", routing_key)):
             if not isinstance(value, str) or len(value.encode()) > 255:
-                raise InvalidScheduleError(f"{name}={value!r:.60}: must be a str of <= 255 bytes")
+                raise InvalidScheduleError(
+                    f"{name} {_shorten(value)}: must be a str of at most 255 bytes (UTF-8)"
+                )
         if isinstance(message, bytes | bytearray):
             message = aio_pika.Message(bytes(message), delivery_mode=PERSISTENT)
         properties: Basic.Properties = message.properties

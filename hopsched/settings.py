@@ -38,12 +38,19 @@ def mask_url(url: str) -> str:
 
 def _check_url(url: str) -> None:
     """Raise InvalidScheduleError unless ``url`` is an amqp(s) URL with a host and valid port."""
+    masked = mask_url(url)
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError as error:
-        problem = str(error).replace(url, mask_url(url))
-        raise InvalidScheduleError(f"url {mask_url(url)!r}: {problem}") from None
+    except ValueError:
+        try:  # the parser's words may quote the password: take them from the masked URL
+            urlsplit(masked).port  # noqa: B018
+        except ValueError as error:
+            raise InvalidScheduleError(f"url {masked!r}: {error}") from None
+        raise InvalidScheduleError(
+            f"url {masked!r}: the password holds '/', '#', '?' or '@'; percent-encode it "
+            "(e.g. '/' as %2F)"
+        ) from None
     if parts.scheme not in ("amqp", "amqps"):
         raise InvalidScheduleError(f"url {mask_url(url)!r}: must start with amqp:// or amqps://")
     if not parts.hostname:

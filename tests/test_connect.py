@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 import uuid
@@ -12,6 +13,7 @@ import pytest
 from support import Relays, Targets, rabbitmqctl, rabbitmqctl_path
 
 import hopsched
+import hopsched.connect
 
 PASSWORD = "s3cretPW"
 
@@ -105,7 +107,7 @@ async def test_relay_and_scheduler_logs_never_show_the_password(
     assert relay.totals.parked == 1
     text = caplog.text + "\n".join(r.getMessage() for r in caplog.records)
     assert settings.masked_url in text, "the relay's start line was not captured"
-    assert "totals: delivered=1" in text
+    assert "since start: delivered=1" in text
     if password and password != urlsplit(url).username:
         assert password not in text
     assert f":{password}@" not in text
@@ -125,3 +127,42 @@ async def test_closed_port_error_says_the_broker_is_unreachable(
     assert "cannot reach the broker" in text, text
     assert "vhost" not in text, text
     assert "permissions" not in text, text
+
+
+@pytest.fixture
+async def silent_port() -> AsyncIterator[int]:
+    """A TCP port that accepts connections and never says a word (not AMQP)."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    for writer in accepted:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_silent_endpoint_times_out_with_a_clear_error(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hopsched.connect, "CONNECT_TIMEOUT_S", 1.0)
+    settings = hopsched.Settings(url=f"amqp://guest:{PASSWORD}@127.0.0.1:{silent_port}/")
+
+    with pytest.raises(hopsched.BrokerUnavailableError, match="no AMQP handshake") as caught:
+        await asyncio.wait_for(hopsched.connect.connect(settings), 10)
+
+    assert PASSWORD not in str(caught.value)
+
+
+async def test_relay_stops_at_once_while_still_connecting(silent_port: int) -> None:
+    relay = hopsched.Relay(hopsched.Settings(url=f"amqp://guest:guest@127.0.0.1:{silent_port}/"))
+    running = asyncio.create_task(relay.run())
+    await asyncio.sleep(0.3)  # inside the AMQP handshake that never completes
+
+    await relay.stop()
+
+    async with asyncio.timeout(2):
+        await running

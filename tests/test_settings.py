@@ -270,3 +270,13 @@ def test_bad_url_is_rejected_without_showing_the_password(url: str) -> None:
 
     assert "s3cret" not in str(caught.value)
     assert "s3cret" not in repr(caught.value)
+
+
+@pytest.mark.parametrize("password", ["pa/ss#w?rd", "S3cret/PW", "5671/s3cret"])
+def test_a_password_with_reserved_characters_asks_for_percent_encoding(password: str) -> None:
+    with pytest.raises(InvalidScheduleError, match="percent-encode") as caught:
+        Settings(url=f"amqp://someone:{password}@127.0.0.1:5672/")
+
+    for piece in password.replace("#", "/").replace("?", "/").split("/"):
+        assert f":{piece}" not in str(caught.value)
+        assert f"'{piece}'" not in str(caught.value)
