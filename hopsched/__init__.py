@@ -7,6 +7,7 @@ message into the largest step that still fits and delivers it to its target once
 
 from hopsched.envelope import DeliveryInfo, Envelope
 from hopsched.errors import (
+    AccessRefusedError,
     BrokerUnavailableError,
     EnvelopeError,
     HopschedError,
@@ -21,6 +22,7 @@ from hopsched.settings import Settings, mask_url
 from hopsched.topology import Topology
 
 __all__ = [
+    "AccessRefusedError",
     "BrokerUnavailableError",
     "DeliveryInfo",
     "Envelope",

@@ -15,12 +15,13 @@ import aio_pika
 import aiormq
 import click
 
+from hopsched.clock import now_us
 from hopsched.connect import connect
 from hopsched.demo import run_demo
 from hopsched.durations import parse_duration
 from hopsched.errors import HopschedError, InvalidScheduleError
 from hopsched.relay import Relay
-from hopsched.scheduler import Scheduler
+from hopsched.scheduler import Scheduler, due_time_us
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
@@ -172,6 +173,10 @@ def schedule(
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
     )
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    try:  # before connecting: bad input should not declare anything
+        due_time_us(at, delay, now_us())
+    except InvalidScheduleError as error:
+        raise click.UsageError(str(error)) from None
 
     async def go() -> None:
         async with Scheduler(settings) as scheduler:

@@ -42,8 +42,8 @@ async def connect(settings: Settings, *, name: str = "hopsched") -> aio_pika.abc
         if isinstance(error.__cause__, OSError):  # aiormq wraps socket errors
             raise _unreachable(settings, error.__cause__) from None
         raise _refused(settings, error) from None
-    except aiormq.exceptions.AMQPError as error:  # e.g. Connection.Close for a missing vhost
-        raise _refused(settings, error) from None
+    except aiormq.exceptions.AMQPError:  # e.g. Connection.Close for a missing vhost
+        raise _refused(settings, None) from None
     except OSError as error:
         raise _unreachable(settings, error) from None
 
@@ -55,10 +55,11 @@ def _unreachable(settings: Settings, error: BaseException) -> BrokerUnavailableE
     )
 
 
-def _refused(settings: Settings, error: BaseException) -> BrokerUnavailableError:
+def _refused(settings: Settings, error: BaseException | None) -> BrokerUnavailableError:
+    reason = f" ({_reason(error, settings)})" if error is not None else ""
     return BrokerUnavailableError(
-        f"{settings.masked_url}: the broker closed the connection during the handshake "
-        f"({_reason(error, settings)}); check that the vhost in the URL exists and the "
+        f"{settings.masked_url}: the broker closed the connection during the handshake"
+        f"{reason}; check that the vhost in the URL exists and the "
         "user may use it (rabbitmqctl list_permissions -p VHOST), and that the port is "
         "RabbitMQ's AMQP port"
     )

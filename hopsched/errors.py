@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "AccessRefusedError",
     "BrokerUnavailableError",
     "EnvelopeError",
     "HopschedError",
@@ -74,6 +75,10 @@ class TopologyMismatchError(HopschedError):
             )
             + f". Broker said: {broker_text}"
         )
+
+
+class AccessRefusedError(HopschedError):
+    """The broker refused this user an operation (AMQP 403 ACCESS_REFUSED)."""
 
 
 class BrokerUnavailableError(HopschedError, ConnectionError):

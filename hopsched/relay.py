@@ -81,6 +81,7 @@ class Relay:
         self._shutdown_timeout_s = shutdown_timeout_s
         self._stopping = asyncio.Event()
         self._consuming = asyncio.Event()
+        self._ever_consumed = False
         self._handlers: set[asyncio.Task[Any]] = set()
 
     async def wait_consuming(self) -> None:
@@ -98,8 +99,9 @@ class Relay:
             await self._run()
         finally:
             reporter.cancel()
-            self._report()
-            log.info("relay stopped")
+            if self._ever_consumed:
+                self._report()
+                log.info("relay stopped")
 
     async def _run(self) -> None:
         delay, failures, connected_before = _RECONNECT_FIRST_S, 0, False
@@ -175,6 +177,7 @@ class Relay:
 
         consume_ok = await consumer.basic_consume(self.topology.relay_queue, on_delivery)
         self._consuming.set()
+        self._ever_consumed = True
         log.info(
             "relay consuming %s on %s (prefetch %d, %s ladder %d..%d ms)",
             self.topology.relay_queue,
@@ -327,7 +330,8 @@ class Relay:
     async def _report_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.settings.log_interval_s)
-            self._report()
+            if self._ever_consumed:
+                self._report()
 
     def _report(self) -> None:
         """Log the last interval's counts and lateness, and the totals since start."""

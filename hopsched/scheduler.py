@@ -82,12 +82,13 @@ def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int)
                 "or datetime(2030, 1, 1, 9, tzinfo=ZoneInfo('Europe/London'))"
             )
         return datetime_to_us(at)
+    # A delay of zero or less means now (an ``at`` in the past keeps its instant).
     if isinstance(delay, timedelta):
-        return now + timedelta_to_us(delay)
+        return now + max(0, timedelta_to_us(delay))
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
         raise InvalidScheduleError(f"delay={delay!r}: must be a timedelta or finite seconds")
     # Decimal of the float's shortest repr: exact, where delay * 1e6 could round down.
-    return now + math.ceil(Decimal(repr(delay)) * 1_000_000)
+    return now + max(0, math.ceil(Decimal(repr(delay)) * 1_000_000))
 
 
 def _shorten(value: object) -> str:

@@ -17,7 +17,7 @@ __all__ = ["QueueType", "Settings", "mask_url"]
 
 QueueType = Literal["quorum", "classic"]
 
-_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+_PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$")
 _ENV = "HOPSCHED_"
 
 
@@ -98,9 +98,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_url(self.url)
-        if not _PREFIX.match(self.prefix):
+        if not _PREFIX.match(self.prefix) or self.prefix.startswith("amq."):
             raise InvalidScheduleError(
-                f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-'"
+                f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-', "
+                "starting with a letter or digit and not with 'amq.' (reserved by RabbitMQ)"
             )
         if self.queue_type not in ("quorum", "classic"):
             raise InvalidScheduleError(

@@ -9,7 +9,7 @@ from typing import Any
 import aio_pika
 import aiormq
 
-from hopsched.errors import TopologyMismatchError
+from hopsched.errors import AccessRefusedError, TopologyMismatchError
 from hopsched.ladder import Ladder
 from hopsched.settings import QueueType, Settings
 
@@ -104,6 +104,7 @@ class Topology:
         Raises:
             TopologyMismatchError: a queue exists with other arguments (AMQP 406);
                 names the queue, the argument and the fix. Not worth retrying.
+            AccessRefusedError: the user may not declare them (AMQP 403).
         """
         declaring = self.expired_exchange
         async with connection.channel(publisher_confirms=False) as channel:
@@ -118,6 +119,13 @@ class Topology:
                         await queue.bind(exchange, routing_key=DEAD_LETTER_ROUTING_KEY)
             except aiormq.exceptions.ChannelPreconditionFailed as error:
                 raise await self._explain(connection, declaring, error) from None
+            except aiormq.exceptions.ChannelAccessRefused as error:
+                raise AccessRefusedError(
+                    f"declaring {declaring!r}: {error.args[0] if error.args else error}. "
+                    f"Every hopsched process declares its prefix's queues and exchange, so "
+                    f"its user needs configure, write and read permission on "
+                    f"'^{re.escape(self.prefix)}\\.' (rabbitmqctl set_permissions)"
+                ) from None
 
     async def _explain(
         self,

@@ -166,3 +166,25 @@ async def test_relay_stops_at_once_while_still_connecting(silent_port: int) -> N
 
     async with asyncio.timeout(2):
         await running
+
+
+async def test_a_user_without_configure_permission_gets_one_clear_error(
+    broker_url: str, make_settings: Callable[..., hopsched.Settings]
+) -> None:
+    if rabbitmqctl_path() is None:
+        pytest.fail("rabbitmqctl is needed to create a user with limited permissions")
+    user, password = f"hopsched-{uuid.uuid4().hex[:8]}", f"pw{uuid.uuid4().hex}"
+    await rabbitmqctl("add_user", user, password)
+    try:
+        await rabbitmqctl("set_permissions", "-p", "/", user, "^$", ".*", ".*")
+        settings = make_settings(url=with_login(broker_url, user, password))
+        with pytest.raises(hopsched.AccessRefusedError) as caught:
+            await hopsched.Relay(settings).run()
+    finally:
+        await rabbitmqctl("delete_user", user)
+
+    text = str(caught.value)
+    assert "ACCESS_REFUSED" in text
+    assert "configure" in text
+    assert settings.prefix in text
+    assert password not in text

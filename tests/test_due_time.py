@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hopsched.clock import datetime_to_us
 from hopsched.errors import HopschedError, InvalidScheduleError
 from hopsched.ladder import Hold, Ladder
 from hopsched.scheduler import due_time_us
@@ -171,6 +172,7 @@ def test_at_in_the_past_gives_a_past_due_time() -> None:
 )
 def test_F03_delay_rounds_up_and_is_never_earlier_than_asked(delay_s: float, asked_us: int) -> None:
     due_us = due_time_us(None, delay_s, NOW_US)
+    asked_us = max(0, asked_us)  # zero or less means now
 
     assert due_us >= NOW_US + asked_us
     assert due_us <= NOW_US + asked_us + 1
@@ -179,7 +181,7 @@ def test_F03_delay_rounds_up_and_is_never_earlier_than_asked(delay_s: float, ask
 
 @pytest.mark.parametrize(
     ("delay_s", "expected_us"),
-    [(0.0004, 400), (0.0015, 1_500), (0.9999999, 1_000_000), (-5.0, -5 * SECOND)],
+    [(0.0004, 400), (0.0015, 1_500), (0.9999999, 1_000_000), (-5.0, 0)],
 )
 def test_F03_exact_due_times(delay_s: float, expected_us: int) -> None:
     assert due_time_us(None, delay_s, NOW_US) == NOW_US + expected_us
@@ -207,6 +209,7 @@ def test_F03_float_delays_with_sub_microsecond_digits_round_up(
     due_us = due_time_us(None, delay_s, now_us)
 
     assert asked_us == math.ceil(Decimal(tenths_of_us) / 10)
+    asked_us = max(0, asked_us)  # zero or less means now
     assert now_us + asked_us <= due_us <= now_us + asked_us + 1
 
 
@@ -218,7 +221,7 @@ def test_F03_float_delays_with_sub_microsecond_digits_round_up(
         pytest.param(timedelta(microseconds=400), 400, id="0.4ms"),
         pytest.param(timedelta(milliseconds=1, microseconds=500), 1_500, id="1.5ms"),
         pytest.param(timedelta(microseconds=999_999), 999_999, id="999.999ms"),
-        pytest.param(timedelta(seconds=-5), -5 * SECOND, id="minus-5s"),
+        pytest.param(timedelta(seconds=-5), 0, id="minus-5s-means-now"),
         pytest.param(timedelta(days=180), 180 * 86_400 * SECOND, id="180-days"),
         pytest.param(timedelta(days=3650, microseconds=7), 3650 * 86_400 * SECOND + 7,
                      id="10-years-and-7us"),
@@ -232,7 +235,7 @@ def test_F03_timedelta_delay_is_exact(delay: timedelta, expected_us: int) -> Non
 def test_timedelta_delay_is_exact_for_any_timedelta(delay: timedelta, now_us: int) -> None:
     expected = (delay.days * 86_400 + delay.seconds) * SECOND + delay.microseconds
 
-    assert due_time_us(None, delay, now_us) == now_us + expected
+    assert due_time_us(None, delay, now_us) == now_us + max(0, expected)
 
 
 # --- invalid arguments ---------------------------------------------------------------------
@@ -302,3 +305,14 @@ def test_the_last_representable_instant_is_accepted() -> None:
     assert due_time_us(last, None, NOW_US) == (last - datetime(1970, 1, 1, tzinfo=UTC)) // (
         timedelta(microseconds=1)
     )
+
+
+@pytest.mark.parametrize("delay", [-5, -0.0004, timedelta(seconds=-5), timedelta(0)])
+def test_a_delay_of_zero_or_less_means_now(delay: timedelta | float) -> None:
+    assert due_time_us(None, delay, NOW_US) == NOW_US
+
+
+def test_an_at_in_the_past_keeps_its_instant() -> None:
+    past = datetime(2020, 1, 1, tzinfo=UTC)
+
+    assert due_time_us(past, None, NOW_US) == datetime_to_us(past)
