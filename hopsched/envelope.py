@@ -26,8 +26,10 @@ __all__ = [
     "HEADER_ID",
     "HEADER_PARKED_AT",
     "HEADER_PARKED_REASON",
+    "HEADER_PARKED_USER_ID",
     "HEADER_ROUTING_KEY",
     "HEADER_VERSION",
+    "PERSISTENT",
     "DeliveryInfo",
     "Envelope",
     "delivery_headers",
@@ -36,6 +38,9 @@ __all__ = [
 ]
 
 ENVELOPE_VERSION = 1
+
+#: AMQP delivery mode 2: every hop is persistent, whatever the caller chose.
+PERSISTENT = 2
 
 HEADER_VERSION = "x-hopsched-version"
 HEADER_ID = "x-hopsched-id"
@@ -47,6 +52,7 @@ HEADER_EXPIRATION = "x-hopsched-expiration"  # the caller's own expiration, fina
 HEADER_DELIVERY_MODE = "x-hopsched-delivery-mode"  # the caller's, when not persistent (2)
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
 HEADER_PARKED_AT = "x-hopsched-parked-at"  # int, microseconds since the Unix epoch, UTC
+HEADER_PARKED_USER_ID = "x-hopsched-user-id"  # a parked message's user_id property
 
 #: What RabbitMQ adds when it dead-letters a message
 #: (https://www.rabbitmq.com/docs/dlx#effects). Carried across hops they grow without

@@ -24,6 +24,8 @@ from aiormq.abc import DeliveredMessage
 from hopsched.clock import now_us
 from hopsched.connect import connect
 from hopsched.envelope import (
+    HEADER_PARKED_USER_ID,
+    PERSISTENT,
     Envelope,
     delivery_headers,
     hop_headers,
@@ -40,8 +42,6 @@ __all__ = ["Relay", "RelayTotals"]
 
 log = logging.getLogger("hopsched.relay")
 
-PERSISTENT = 2
-HEADER_USER_ID = "x-hopsched-user-id"  # a parked message's user_id (see _park)
 _CONNECTION_LOST = (aiormq.exceptions.AMQPConnectionError, ConnectionError, OSError)
 _RECONNECT_FIRST_S, _RECONNECT_MAX_S = 0.5, 30.0
 _PARK_RETRY_S = 1.0
@@ -309,7 +309,7 @@ class Relay:
         properties = delivered.header.properties
         headers = parked_headers(properties.headers, reason, now_us())
         if properties.user_id is not None:
-            headers[HEADER_USER_ID] = properties.user_id
+            headers[HEADER_PARKED_USER_ID] = properties.user_id
         await _forward(
             publisher,
             delivered,

@@ -15,7 +15,7 @@ from pamqp.commands import Basic
 
 from hopsched.clock import datetime_to_us, now_us, timedelta_to_us, us_to_datetime
 from hopsched.connect import connect
-from hopsched.envelope import Envelope
+from hopsched.envelope import PERSISTENT, Envelope
 from hopsched.errors import InvalidScheduleError
 from hopsched.ladder import Hop
 from hopsched.publisher import ConfirmedPublisher, with_properties
@@ -23,8 +23,6 @@ from hopsched.settings import Settings
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology
 
 __all__ = ["Scheduled", "Scheduler"]
-
-PERSISTENT = 2
 
 
 @dataclass(frozen=True, slots=True)
