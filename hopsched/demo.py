@@ -101,8 +101,9 @@ async def run_demo(
     everything = asyncio.Event()
     target = f"{settings.prefix}.demo-target"
 
-    def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         received = now_us()
+        await message.ack()
         info = DeliveryInfo.from_headers(message.headers)
         if info.schedule_id in seen:
             report.duplicates += 1
@@ -126,7 +127,7 @@ async def run_demo(
             relay_task.result()  # raises the relay's error
         channel = await connection.channel()
         queue = await channel.declare_queue(target, exclusive=True)
-        await queue.consume(_acking(on_message), no_ack=False)
+        await queue.consume(on_message, no_ack=False)
         delays = log_uniform_delays(count, min_delay_s, max_delay_s, seed)
         out.write(
             f"scheduling {count} messages, delays {min_delay_s * 1000:g} ms to "
@@ -155,16 +156,6 @@ async def run_demo(
             await relay_task
         await connection.close()
     return report
-
-
-def _acking(
-    handle: Callable[[aio_pika.abc.AbstractIncomingMessage], None],
-) -> Callable[[aio_pika.abc.AbstractIncomingMessage], asyncio.Future[None]]:
-    async def consume(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        handle(message)
-        await message.ack()
-
-    return consume  # type: ignore[return-value]
 
 
 async def _wait_with_progress(
