@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -15,11 +16,12 @@ import aio_pika
 import aiormq
 import click
 
-from hopsched.clock import now_us
+from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo
 from hopsched.durations import parse_duration
 from hopsched.errors import HopschedError, InvalidScheduleError
+from hopsched.parked import list_parked, replay_parked
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduler, due_time_us
 from hopsched.settings import Settings
@@ -104,11 +106,30 @@ def main(verbose: bool) -> None:
 @main.command()
 @_connection_options
 @click.option("--prefetch", type=click.IntRange(1, 65535), help="Deliveries held at once.")
+@click.option(
+    "--allow-target",
+    "allowed_targets",
+    multiple=True,
+    metavar="EXCHANGE/ROUTING-KEY",
+    help="Publish only to targets matching these globs (repeatable; e.g. 'orders/timeout.*', "
+    "'/reminders' for the default exchange); others are parked. Default: any target "
+    "[HOPSCHED_ALLOWED_TARGETS, comma-separated].",
+)
 def relay(
-    url: str | None, prefix: str | None, queue_type: str | None, prefetch: int | None
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    prefetch: int | None,
+    allowed_targets: tuple[str, ...],
 ) -> None:
     """Run the relay daemon until SIGINT or SIGTERM; logs totals once a minute."""
-    settings = _settings(url=url, prefix=prefix, queue_type=queue_type, prefetch=prefetch)
+    settings = _settings(
+        url=url,
+        prefix=prefix,
+        queue_type=queue_type,
+        prefetch=prefetch,
+        allowed_targets=allowed_targets or None,
+    )
 
     async def serve() -> None:
         daemon = Relay(settings)
@@ -256,6 +277,65 @@ def status(url: str | None, prefix: str | None, queue_type: str | None, as_json:
         shown = "missing" if info is None else f"{info['messages']:>9} messages"
         click.echo(f"  {name:<40} {shown}")
     click.echo(f"relay consumers: {relay_info.get('consumers', 0)}")
+
+
+@main.group()
+def parked() -> None:
+    """Messages the relay could not deliver: list them, replay them."""
+
+
+def _when(value_us: int | None) -> str:
+    return "?" if value_us is None else us_to_datetime(value_us).isoformat(timespec="milliseconds")
+
+
+@parked.command("list")
+@_connection_options
+@click.option("--limit", type=click.IntRange(min=1), help="Show at most this many.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def parked_list(
+    url: str | None, prefix: str | None, queue_type: str | None, limit: int | None, as_json: bool
+) -> None:
+    """Show parked messages (oldest first) with reason, target and due time; they stay
+    parked."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    found = _run(list_parked(settings, limit=limit))
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(message) for message in found], indent=2))
+        return
+    click.echo(f"{len(found)} parked message(s) in {settings.prefix}.parked")
+    for message in found:
+        click.echo(
+            f"{message.schedule_id or '?'}  due {_when(message.due_us)}  target "
+            f"{message.exchange!r}/{message.routing_key!r}  {message.body_bytes} bytes  "
+            f"parked {_when(message.parked_at_us)}\n    {message.reason}"
+        )
+
+
+@parked.command("replay")
+@_connection_options
+@click.option("--id", "ids", multiple=True, help="Schedule id to replay (repeatable).")
+@click.option("--all", "replay_all", is_flag=True, help="Replay every parked message.")
+def parked_replay(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    ids: tuple[str, ...],
+    replay_all: bool,
+) -> None:
+    """Send parked messages back to the relay, once their target is fixed: the relay
+    delivers each (at once if past due) or parks it again with the new reason."""
+    if bool(ids) == replay_all:
+        raise click.UsageError("give --id ID (repeatable) or --all")
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    result = _run(replay_parked(settings, None if replay_all else set(ids)))
+    click.echo(f"replayed {len(result.replayed)} message(s) to {settings.prefix}.relay")
+    for name, why in result.left.items():
+        click.echo(f"left parked: {name}: {why}")
+    missing = set(ids) - set(result.replayed) - set(result.left)
+    for name in sorted(missing):
+        click.echo(f"not parked: {name}", err=True)
+    if missing or result.left:
+        sys.exit(1)
 
 
 @main.command()

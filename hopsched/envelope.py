@@ -35,6 +35,7 @@ __all__ = [
     "delivery_headers",
     "hop_headers",
     "parked_headers",
+    "unparked_headers",
 ]
 
 ENVELOPE_VERSION = 1
@@ -195,6 +196,9 @@ class DeliveryInfo:
         )
 
 
+_PARKED_HEADERS = frozenset({HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID})
+
+
 def _without(headers: Mapping[str, Any] | None, names: frozenset[str]) -> dict[str, Any]:
     return {k: v for k, v in (headers or {}).items() if k not in names}
 
@@ -219,3 +223,8 @@ def parked_headers(
     result[HEADER_PARKED_REASON] = reason
     result[HEADER_PARKED_AT] = parked_at_us
     return result
+
+
+def unparked_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Headers for replaying a parked message: the parking reason, time and user_id gone."""
+    return _without(headers, _PARKED_HEADERS)

@@ -78,6 +78,7 @@ class Relay:
         self._last_report = RelayTotals()  # counts at the last totals line, and its window
         self._last_report_at = time.monotonic()
         self._ladder = self.settings.ladder
+        self._targets = self.settings.target_policy
         self._shutdown_timeout_s = shutdown_timeout_s
         self._stopping = asyncio.Event()
         self._consuming = asyncio.Event()
@@ -250,6 +251,9 @@ class Relay:
                 f"{self.settings.login!r}: RabbitMQ refuses to publish it "
                 "(https://www.rabbitmq.com/docs/validated-user-id); run the relay as that user",
             )
+            return
+        if refusal := self._targets.refusal(envelope.exchange, envelope.routing_key):
+            await self._park(publisher, delivered, refusal)
             return
         action = self._ladder.plan(now_us=now_us(), due_us=envelope.due_us)
         try:

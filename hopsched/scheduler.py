@@ -111,6 +111,7 @@ class Scheduler:
         self.settings = settings or Settings()
         self.topology = Topology.from_settings(self.settings)
         self._clock = clock
+        self._targets = self.settings.target_policy
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._publisher: ConfirmedPublisher | None = None
 
@@ -170,7 +171,8 @@ class Scheduler:
 
         Raises:
             InvalidScheduleError: (a ValueError) naive datetime, both/neither of
-                at/delay, a routing key or exchange longer than 255 bytes.
+                at/delay, a routing key or exchange longer than 255 bytes, a target
+                that ``Settings.allowed_targets`` does not allow.
             PublishRejectedError: the broker refused or nacked the publish.
             RuntimeError: used outside ``async with``.
         """
@@ -183,6 +185,8 @@ class Scheduler:
                 raise InvalidScheduleError(
                     f"{name} {_shorten(value)}: must be a str of at most 255 bytes (UTF-8)"
                 )
+        if refusal := self._targets.refusal(exchange, routing_key):
+            raise InvalidScheduleError(refusal)
         if isinstance(message, bytes | bytearray):
             message = aio_pika.Message(bytes(message), delivery_mode=PERSISTENT)
         properties: Basic.Properties = message.properties

@@ -12,6 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 from hopsched.errors import InvalidScheduleError
 from hopsched.ladder import Ladder
+from hopsched.targets import TargetPolicy
 
 __all__ = ["QueueType", "Settings", "mask_url"]
 
@@ -81,6 +82,9 @@ class Settings:
             or ``"classic"`` (lower latency; the broker dead-letters at-most-once).
         prefetch: unacknowledged deliveries a relay holds at once (AMQP ``basic.qos``).
         log_interval_s: seconds between the relay's totals lines.
+        allowed_targets: ``EXCHANGE/ROUTING-KEY`` glob patterns (see ``TargetPattern``);
+            a message for any other target is refused by ``schedule()`` and parked by
+            the relay, never published. Empty (the default): every target is allowed.
 
     Raises:
         InvalidScheduleError: a value is out of range; the message says which and why.
@@ -95,6 +99,7 @@ class Settings:
     queue_type: QueueType = "quorum"
     prefetch: int = 1000
     log_interval_s: float = 60.0
+    allowed_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_url(self.url)
@@ -114,6 +119,12 @@ class Settings:
         if not math.isfinite(self.log_interval_s) or self.log_interval_s <= 0:
             raise InvalidScheduleError(f"log_interval_s {self.log_interval_s}: must be > 0")
         self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
+        if isinstance(self.allowed_targets, str):  # one pattern is not its characters
+            raise InvalidScheduleError(
+                f"allowed_targets {self.allowed_targets!r}: give a tuple of patterns"
+            )
+        object.__setattr__(self, "allowed_targets", tuple(self.allowed_targets))
+        self.target_policy  # noqa: B018 - validates the patterns
 
     def __repr__(self) -> str:
         values = ", ".join(
@@ -133,6 +144,11 @@ class Settings:
         )
 
     @property
+    def target_policy(self) -> TargetPolicy:
+        """The allow list ``allowed_targets`` describes."""
+        return TargetPolicy(self.allowed_targets)
+
+    @property
     def login(self) -> str:
         """The user name the URL logs in with (aio-pika's default: ``guest``)."""
         return unquote(urlsplit(self.url).username or "guest")
@@ -145,8 +161,9 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Settings from ``HOPSCHED_<FIELD>`` variables (e.g. ``HOPSCHED_URL``,
-        ``HOPSCHED_PREFIX``, ``HOPSCHED_QUEUE_TYPE``, ``HOPSCHED_PREFETCH``), then
-        ``overrides`` whose value is not None.
+        ``HOPSCHED_PREFIX``, ``HOPSCHED_QUEUE_TYPE``, ``HOPSCHED_PREFETCH``;
+        ``HOPSCHED_ALLOWED_TARGETS`` is comma-separated), then ``overrides`` whose value
+        is not None.
 
         Raises:
             InvalidScheduleError: a variable does not parse as its field's type.
@@ -158,6 +175,9 @@ class Settings:
             if raw is None:
                 continue
             kind = cast(type, type(f.default))
+            if kind is tuple:
+                values[f.name] = tuple(part.strip() for part in raw.split(",") if part.strip())
+                continue
             try:
                 values[f.name] = kind(raw) if kind in (int, float) else raw
             except ValueError:

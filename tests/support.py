@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import statistics
+import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -393,3 +395,28 @@ class Relays:
                 failures.append(f"relay {relay.settings.prefix}: {error!r}")
         if failures:
             pytest.fail(f"relay task(s) failed: {failures}")
+
+
+async def hopsched_cli(
+    *args: str, settings: hopsched.Settings | None = None, within: float = 60
+) -> tuple[int, str, str]:
+    """Run ``python -m hopsched ARGS``; return (exit status, stdout, stderr)."""
+    env = dict(os.environ)
+    if settings is not None:
+        env |= {
+            "HOPSCHED_URL": settings.url,
+            "HOPSCHED_PREFIX": settings.prefix,
+            "HOPSCHED_QUEUE_TYPE": settings.queue_type,
+        }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hopsched",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), within)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()

@@ -13,33 +13,12 @@ from urllib.parse import quote
 import aio_pika
 import aiormq
 import pytest
-from support import Targets
+from support import Targets, hopsched_cli
 
 import hopsched
 from hopsched.clock import datetime_to_us
 
 SECRET = "pa/ss#w?rd-s3cret"
-
-
-async def hopsched_cli(
-    *args: str, settings: hopsched.Settings | None = None, within: float = 60
-) -> tuple[int, str, str]:
-    """Run ``python -m hopsched ARGS``; return (exit status, stdout, stderr)."""
-    env = dict(os.environ)
-    if settings is not None:
-        env |= {"HOPSCHED_URL": settings.url, "HOPSCHED_PREFIX": settings.prefix}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hopsched",
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), within)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,183 @@
+"""Parked messages: list them, and replay them through the relay once their cause is fixed.
+
+Both read ``{prefix}.parked`` with ``basic.get`` and manual acks. Listing acks nothing:
+closing the channel returns every message to the queue. Replaying publishes a copy
+to ``{prefix}.relay`` (confirmed) before it acks the parked one, so a crash duplicates,
+never loses. The relay then treats the copy like any expired message: a hop if it is
+not yet due, delivery if it is, parking again (with a fresh reason) if it still cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import aiormq
+from aiormq.abc import DeliveredMessage
+from pamqp.commands import Basic
+
+from hopsched.connect import connect
+from hopsched.envelope import (
+    HEADER_DUE,
+    HEADER_EXCHANGE,
+    HEADER_ID,
+    HEADER_PARKED_AT,
+    HEADER_PARKED_REASON,
+    HEADER_PARKED_USER_ID,
+    HEADER_ROUTING_KEY,
+    unparked_headers,
+)
+from hopsched.errors import HopschedError
+from hopsched.publisher import ConfirmedPublisher, with_properties
+from hopsched.settings import Settings
+from hopsched.topology import Topology
+
+__all__ = ["ParkedMessage", "ReplayResult", "list_parked", "replay_parked"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedMessage:
+    """One parked message, as ``hopsched parked list`` shows it.
+
+    Attributes:
+        schedule_id: header ``x-hopsched-id``; None if the envelope lacked it.
+        reason: why the relay parked it.
+        exchange, routing_key: the target it was scheduled for (None if unknown).
+        due_us, parked_at_us: µs since the Unix epoch (UTC), or None.
+        body_bytes: size of the body in bytes.
+    """
+
+    schedule_id: str | None
+    reason: str
+    exchange: str | None
+    routing_key: str | None
+    due_us: int | None
+    parked_at_us: int | None
+    body_bytes: int
+
+    @classmethod
+    def from_delivery(cls, delivered: DeliveredMessage) -> ParkedMessage:
+        headers: Mapping[str, Any] = delivered.header.properties.headers or {}
+
+        def get(name: str, kind: type) -> Any:
+            value = headers.get(name)
+            return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+        return cls(
+            schedule_id=get(HEADER_ID, str),
+            reason=get(HEADER_PARKED_REASON, str) or "(no reason recorded)",
+            exchange=get(HEADER_EXCHANGE, str),
+            routing_key=get(HEADER_ROUTING_KEY, str),
+            due_us=get(HEADER_DUE, int),
+            parked_at_us=get(HEADER_PARKED_AT, int),
+            body_bytes=len(delivered.body),
+        )
+
+
+@dataclass
+class ReplayResult:
+    """What ``replay_parked`` did: schedule ids replayed, and those it left parked, why."""
+
+    replayed: list[str]
+    left: dict[str, str]
+
+
+async def list_parked(settings: Settings, *, limit: int | None = None) -> list[ParkedMessage]:
+    """The parked messages of ``settings.prefix``, oldest first, left in place.
+
+    Each one listed is returned to the queue, which RabbitMQ 4.0-4.2 count as a
+    delivery attempt of a quorum queue (https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling).
+
+    Raises:
+        BrokerUnavailableError: cannot connect. HopschedError: no parked queue.
+    """
+    found: list[ParkedMessage] = []
+    async with _parked_messages(settings) as (_, messages):
+        async for delivered in messages:
+            found.append(ParkedMessage.from_delivery(delivered))
+            if limit is not None and len(found) >= limit:
+                break
+    return found
+
+
+async def replay_parked(settings: Settings, ids: Collection[str] | None) -> ReplayResult:
+    """Move parked messages back to the relay queue: those whose schedule id is in
+    ``ids``, or all of them if ``ids`` is None.
+
+    A message parked because its ``user_id`` was not the relay's login is left parked
+    unless this connection logs in as that user (RabbitMQ checks ``user_id``,
+    https://www.rabbitmq.com/docs/validated-user-id).
+
+    Raises:
+        BrokerUnavailableError: cannot connect. HopschedError: no parked queue.
+    """
+    result = ReplayResult(replayed=[], left={})
+    topology = Topology.from_settings(settings)
+    async with _parked_messages(settings) as (connection, messages):
+        publisher = ConfirmedPublisher(connection)
+        try:
+            async for delivered in messages:
+                parked = ParkedMessage.from_delivery(delivered)
+                name = parked.schedule_id or f"(no schedule id; {parked.reason})"
+                if ids is not None and parked.schedule_id not in ids:
+                    continue  # returned to the queue when the channel closes
+                properties = delivered.header.properties
+                headers = properties.headers or {}
+                user_id = headers.get(HEADER_PARKED_USER_ID)
+                if user_id is not None and user_id != settings.login:
+                    result.left[name] = (
+                        f"its user_id is {user_id!r}: replay it logged in as that user"
+                    )
+                    continue
+                await publisher.publish(
+                    delivered.body,
+                    _replay_properties(properties, user_id),
+                    exchange="",
+                    routing_key=topology.relay_queue,
+                )
+                await delivered.channel.basic_ack(delivered.delivery_tag or 0)
+                result.replayed.append(name)
+        finally:
+            await publisher.close()
+    return result
+
+
+def _replay_properties(properties: Basic.Properties, user_id: Any) -> Basic.Properties:
+    return with_properties(
+        properties, headers=unparked_headers(properties.headers), user_id=user_id
+    )
+
+
+@contextlib.asynccontextmanager
+async def _parked_messages(
+    settings: Settings,
+) -> AsyncIterator[tuple[aio_pika.abc.AbstractConnection, AsyncIterator[DeliveredMessage]]]:
+    """Connect and yield an iterator of ``basic.get`` deliveries (unacked) of the parked
+    queue; closing returns every unacked one to the queue."""
+    queue = Topology.from_settings(settings).parked_queue
+    connection = await connect(settings, name="hopsched-parked")
+    async with connection:
+        channel = await connection.channel(publisher_confirms=False)
+        getter = await channel.get_underlay_channel()
+        try:
+            ok = await getter.queue_declare(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise HopschedError(
+                f"queue {queue!r} does not exist on {settings.masked_url}: nothing was ever "
+                "declared with this prefix (check --prefix / HOPSCHED_PREFIX)"
+            ) from None
+        total = ok.message_count or 0
+
+        async def messages() -> AsyncIterator[DeliveredMessage]:
+            # At most the count seen at the start: a message parked meanwhile, or one
+            # returned by a replay that failed, is not read twice.
+            for _ in range(total):
+                delivered = await getter.basic_get(queue, no_ack=False)
+                if not isinstance(delivered.delivery, Basic.GetOk):
+                    return
+                yield delivered
+
+        yield connection, messages()
