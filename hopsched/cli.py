@@ -279,6 +279,24 @@ def status(url: str | None, prefix: str | None, queue_type: str | None, as_json:
     click.echo(f"relay consumers: {relay_info.get('consumers', 0)}")
 
 
+@main.command()
+@click.option("--prefix", help="Namespace of the broker objects [HOPSCHED_PREFIX].")
+@click.option("--user", default="hopsched", show_default=True, help="RabbitMQ user name.")
+@click.option("--vhost", default="/", show_default=True, help="Virtual host.")
+@click.option(
+    "--target-exchange",
+    "target_exchanges",
+    multiple=True,
+    help="An exchange messages are delivered to (repeatable; the default exchange needs none).",
+)
+def permissions(
+    prefix: str | None, user: str, vhost: str, target_exchanges: tuple[str, ...]
+) -> None:
+    """Print the rabbitmqctl command granting the least permissions hopsched needs."""
+    settings = _settings(prefix=prefix)
+    click.echo(Topology.from_settings(settings).permissions(target_exchanges).command(user, vhost))
+
+
 @main.group()
 def parked() -> None:
     """Messages the relay could not deliver: list them, replay them."""

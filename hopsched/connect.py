@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import aio_pika
 import aiormq
@@ -49,10 +50,24 @@ async def connect(settings: Settings, *, name: str = "hopsched") -> aio_pika.abc
 
 
 def _unreachable(settings: Settings, error: BaseException) -> BrokerUnavailableError:
+    reason = _reason(error, settings)
+    if isinstance(error, ssl.SSLError):
+        return BrokerUnavailableError(
+            f"{settings.masked_url}: TLS handshake failed ({reason}); {_TLS_HINT}"
+        )
+    hint = "is RabbitMQ running and listening there?"
+    if settings.url.startswith("amqps:"):  # a broker refusing the handshake just resets
+        hint = f"is RabbitMQ's TLS listener there? If so, {_TLS_HINT}"
     return BrokerUnavailableError(
-        f"{settings.masked_url}: cannot reach the broker ({_reason(error, settings)}); "
-        "is RabbitMQ running and listening there?"
+        f"{settings.masked_url}: cannot reach the broker ({reason}); {hint}"
     )
+
+
+_TLS_HINT = (
+    "check the TLS options in the URL's query (aio-pika's): cafile=PATH for a CA this "
+    "machine does not trust, certfile=PATH&keyfile=PATH if the broker requires a client "
+    "certificate, no_verify_ssl=1 to skip verification (tests only)"
+)
 
 
 def _refused(settings: Settings, error: BaseException | None) -> BrokerUnavailableError:

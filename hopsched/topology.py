@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,7 @@ from hopsched.errors import AccessRefusedError, TopologyMismatchError
 from hopsched.ladder import Ladder
 from hopsched.settings import QueueType, Settings
 
-__all__ = ["DEAD_LETTER_ROUTING_KEY", "Topology"]
+__all__ = ["DEAD_LETTER_ROUTING_KEY", "Permissions", "Topology"]
 
 #: Every step queue dead-letters with this routing key, whatever key the message had.
 DEAD_LETTER_ROUTING_KEY = "expired"
@@ -27,6 +29,31 @@ _INEQUIVALENT = re.compile(
 _VALUE = re.compile(
     r"^(?:the value '(?P<typed>.*)' of type '[^']*'|'(?P<quoted>.*)'|(?P<bare>.*))$"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    """A user's RabbitMQ permissions in one vhost: three regexes matched against
+    exchange and queue names (https://www.rabbitmq.com/docs/access-control)."""
+
+    configure: str
+    write: str
+    read: str
+
+    def command(self, user: str, vhost: str = "/") -> str:
+        """The ``rabbitmqctl set_permissions`` command line that grants them."""
+        return shlex.join(
+            [
+                "rabbitmqctl",
+                "set_permissions",
+                "-p",
+                vhost,
+                user,
+                self.configure,
+                self.write,
+                self.read,
+            ]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +97,28 @@ class Topology:
     @property
     def step_queues(self) -> tuple[str, ...]:
         return tuple(self.step_queue(step) for step in self.ladder.steps)
+
+    def permissions(self, target_exchanges: Iterable[str] = ()) -> Permissions:
+        """The least a scheduler and relay on this prefix need, delivering to
+        ``target_exchanges`` ("" is the default exchange).
+
+        * configure: declare the prefix's queues and exchange;
+        * write: publish to ``amq.default`` (hops, parking, targets on the default
+          exchange), to ``{prefix}.expired`` (messages due at once) and to the target
+          exchanges; bind ``{prefix}.relay``;
+        * read: consume ``{prefix}.relay``, get ``{prefix}.parked``, bind from
+          ``{prefix}.expired``, and declare step queues: a queue with a dead-letter
+          exchange needs read on itself and write on that exchange
+          (https://www.rabbitmq.com/docs/dlx#security).
+
+        Write on ``amq.default`` reaches every queue of the vhost by name: limit final
+        targets with ``Settings.allowed_targets`` (relay ``--allow-target``).
+        """
+        prefix = re.escape(self.prefix) + r"\."
+        targets = sorted({re.escape(name) for name in target_exchanges if name})
+        write = "|".join([rf"{prefix}(expired|relay)", r"amq\.default", *targets])
+        own = rf"^{prefix}(step\.[0-9]+|expired|relay|parked)$"
+        return Permissions(configure=own, write=f"^({write})$", read=own)
 
     def _queue_arguments(self) -> dict[str, Any]:
         if self.queue_type == "quorum":
