@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
+from broker import private_broker as private_broker
+from broker import start_private_broker as start_private_broker
 from support import Cleanup, Relays, Targets
 
 import hopsched

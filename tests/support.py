@@ -221,12 +221,20 @@ def rabbitmqctl_path() -> str | None:
     return shutil.which("rabbitmqctl")
 
 
-async def rabbitmqctl(*args: str, within: float = 60) -> str:
-    """Run ``rabbitmqctl args…`` and return its stdout; fail the test on a non-zero exit."""
-    path = rabbitmqctl_path()
+async def rabbitmqctl(
+    *args: str,
+    within: float = 60,
+    executable: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """Run ``rabbitmqctl args…`` and return its stdout; fail the test on a non-zero exit.
+
+    ``executable`` and ``env`` address another node (see ``broker.PrivateBroker``).
+    """
+    path = executable or rabbitmqctl_path()
     assert path is not None
     process = await asyncio.create_subprocess_exec(
-        path, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        path, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     try:
         async with asyncio.timeout(within):
