@@ -366,3 +366,32 @@ async def test_parks_invalid_targets_due_at_the_same_instant_as_valid_ones(
 ) -> None:
     """A 404 among confirms in flight must not take the relay's connection down."""
     await park_when_due_together(relay, relays, scheduler, targets, settings, invalid)
+
+
+async def test_bodies_of_8_mib_empty_and_non_utf8_arrive_intact(
+    relay: hopsched.Relay, scheduler: hopsched.Scheduler, targets: Targets
+) -> None:
+    """Bad-input bodies through real hops, byte for byte, once each, never early."""
+    target = await targets.queue()
+    bodies = {
+        "8MiB": random.Random(1).randbytes(8 * 1024 * 1024),
+        "empty": b"",
+        "non-utf8": b"\xff\xfe\x80\x00 \xc3\x28 \xed\xa0\x80",
+    }
+    sent: dict[str, bytes] = {}
+    for name, body in bodies.items():
+        for delay in (0.0, 0.4, 2.5):
+            result = await scheduler.schedule(
+                aio_pika.Message(body, message_id=f"{name}-{delay}"),
+                delay=delay,
+                routing_key=target.name,
+            )
+            sent[result.schedule_id] = body
+    await target.wait_for_ids(sent, within=30)
+    await target.settle(0.5)
+    assert target.counts() == dict.fromkeys(sent, 1)
+    for copy in target.received:
+        assert copy.body == sent[copy.schedule_id]
+    target.assert_never_early()
+    hops = max(copy.headers["x-hopsched-hops"] for copy in target.received)
+    print(f"\nbodies 8 MiB / empty / non-UTF-8, {hops} hops at most: {target.lateness_line()}")
