@@ -17,6 +17,7 @@ from hopsched.errors import EnvelopeError
 
 __all__ = [
     "BROKER_DEAD_LETTER_HEADERS",
+    "BROKER_DELIVERY_COUNT_HEADER",
     "ENVELOPE_VERSION",
     "HEADER_DELIVERY_MODE",
     "HEADER_DUE",
@@ -69,6 +70,13 @@ BROKER_DEAD_LETTER_HEADERS = frozenset(
         "x-last-death-reason",
     }
 )
+
+#: What a quorum queue adds to a message it delivers again (``{prefix}.relay`` after a relay
+#: crash or a nack; https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling).
+#: Carried on, it would tell the target's consumer that a first delivery was a redelivery
+#: (a consumer rejecting "poison" messages by this count would count the relay's retries).
+BROKER_DELIVERY_COUNT_HEADER = "x-delivery-count"
+_BROKER_HEADERS = BROKER_DEAD_LETTER_HEADERS | {BROKER_DELIVERY_COUNT_HEADER}
 
 # Only the relay needs these; the target consumer gets the id, due time and hop count.
 _ROUTING_HEADERS = frozenset(
@@ -204,22 +212,22 @@ def _without(headers: Mapping[str, Any] | None, names: frozenset[str]) -> dict[s
 
 
 def hop_headers(headers: Mapping[str, Any] | None, hops: int) -> dict[str, Any]:
-    """Headers for the next hop: the broker's dead-letter history removed, hop count set."""
-    result = _without(headers, BROKER_DEAD_LETTER_HEADERS)
+    """Headers for the next hop: the broker's bookkeeping removed, hop count set."""
+    result = _without(headers, _BROKER_HEADERS)
     result[HEADER_HOPS] = hops
     return result
 
 
 def delivery_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     """Headers for the final publish: the caller's own, plus id, due time and hops."""
-    return _without(headers, BROKER_DEAD_LETTER_HEADERS | _ROUTING_HEADERS)
+    return _without(headers, _BROKER_HEADERS | _ROUTING_HEADERS)
 
 
 def parked_headers(
     headers: Mapping[str, Any] | None, reason: str, parked_at_us: int
 ) -> dict[str, Any]:
     """Headers for a parked message: everything it had (target, due time) plus why and when."""
-    result = _without(headers, BROKER_DEAD_LETTER_HEADERS)
+    result = _without(headers, _BROKER_HEADERS)
     result[HEADER_PARKED_REASON] = reason
     result[HEADER_PARKED_AT] = parked_at_us
     return result

@@ -17,6 +17,7 @@ from pamqp import decode, encode
 
 from hopsched.envelope import (
     BROKER_DEAD_LETTER_HEADERS,
+    BROKER_DELIVERY_COUNT_HEADER,
     ENVELOPE_VERSION,
     HEADER_DELIVERY_MODE,
     HEADER_DUE,
@@ -276,6 +277,14 @@ def test_parked_headers_keep_the_target_and_add_reason_and_time() -> None:
     kept = {k: v for k, v in DEAD_LETTERED.items() if k not in BROKER_DEAD_LETTER_HEADERS}
     assert {k: headers[k] for k in kept} == kept
     assert Envelope.from_headers(headers).routing_key == "order.created"
+
+
+def test_the_relay_queues_delivery_count_goes_no_further() -> None:
+    redelivered = {**DEAD_LETTERED, BROKER_DELIVERY_COUNT_HEADER: 1}
+
+    assert hop_headers(redelivered, 4) == hop_headers(DEAD_LETTERED, 4)
+    assert delivery_headers(redelivered) == delivery_headers(DEAD_LETTERED)
+    assert parked_headers(redelivered, "r", 5) == parked_headers(DEAD_LETTERED, "r", 5)
 
 
 def test_parked_headers_of_none_hold_only_reason_and_time() -> None:
