@@ -247,7 +247,8 @@ def main(**options: Any) -> None:
         options["json_path"].parent.mkdir(parents=True, exist_ok=True)
         options["json_path"].write_text(json.dumps(result, indent=2) + "\n")
     if options["plot_dir"]:
-        plot({name: run.points for name, run in runs.items()}, options["plot_dir"], header)
+        title = header.replace(" · broker", "\nbroker", 1)
+        plot({name: run.points for name, run in runs.items()}, options["plot_dir"], title)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def plot(points: dict[str, list[tuple[int, Delivery]]], directory: Path, title: 
     axes.set_xscale("log")
     axes.set_xlabel(f"lateness at the consumer, ms (log; ≤ {_FLOOR_MS} ms drawn at {_FLOOR_MS})")
     axes.set_ylabel("fraction of delivered messages")
-    axes.set_title(f"Lateness CDF — {title}")
+    axes.set_title(f"Lateness CDF\n{title}")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small")
     written.append(_save(figure, directory / "lateness_cdf.png"))
@@ -90,7 +90,7 @@ def plot(points: dict[str, list[tuple[int, Delivery]]], directory: Path, title: 
             points,
             lambda d: max(d.lateness_us / 1000, _FLOOR_MS),
             "lateness, ms (log)",
-            f"Lateness against requested delay — {title}",
+            f"Lateness against requested delay\n{title}",
             directory / "lateness_vs_delay.png",
             log_y=True,
         )
@@ -100,7 +100,7 @@ def plot(points: dict[str, list[tuple[int, Delivery]]], directory: Path, title: 
             points,
             lambda d: d.hops,
             "hops (passes through a TTL queue)",
-            f"Hops against requested delay — {title}",
+            f"Hops against requested delay\n{title}",
             directory / "hops_vs_delay.png",
             log_y=False,
         )
