@@ -27,6 +27,7 @@ _COLUMNS = [
     ("p99_ms", "p99 ms"),
     ("p999_ms", "p99.9 ms"),
     ("max_ms", "max ms"),
+    ("after_schedule_p99_ms", "p99 ms, due after publishing"),
     ("mean_hops", "hops mean"),
     ("max_hops", "hops max"),
     ("broker_publishes_per_msg", "broker pub/msg"),

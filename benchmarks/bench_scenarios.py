@@ -21,7 +21,7 @@ __all__ = ["run_backlog", "run_throughput"]
 
 _MB = 1024 * 1024
 THROUGHPUT_MESSAGES = 20_000
-STEP_RATES = (250, 500, 1000, 2000, 3000, 4000)
+STEP_RATES = (50, 100, 250, 500, 1000, 2000, 3000, 4000)
 STEP_SECONDS = 10  # each rate step schedules for this long
 STEP_DELAYS = "loguniform:10ms:5s"
 TARGET_P99_MS = 10.0
