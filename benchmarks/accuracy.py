@@ -93,6 +93,8 @@ async def run_strategies(
         run.summary["counting"] = strategy.counting
         if session.cleanup_problems:
             run.summary["cleanup_problems"] = session.cleanup_problems
+        if strategy.log_warnings:
+            run.summary["process_log_warnings"] = strategy.log_warnings[:20]
         rows[name], runs[name] = run.summary, run
     return rows, runs
 

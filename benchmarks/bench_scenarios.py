@@ -21,7 +21,7 @@ __all__ = ["run_backlog", "run_throughput"]
 
 _MB = 1024 * 1024
 THROUGHPUT_MESSAGES = 20_000
-STEP_RATES = (50, 100, 250, 500, 1000, 2000, 3000, 4000)
+STEP_RATES = (50, 100, 150, 200, 250, 350, 500, 750, 1000, 1500, 2000, 3000, 4000)
 STEP_SECONDS = 10  # each rate step schedules for this long
 STEP_DELAYS = "loguniform:10ms:5s"
 TARGET_P99_MS = 10.0
@@ -191,7 +191,8 @@ async def _relay_hops(
 async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]:
     """(a) a raw aio-pika consume -> publish-with-confirm -> ack loop, (b) the relay's hops/s
     on the same broker, (c) the schedule rate stepped up against hopsched-quorum until p99
-    lateness exceeds 10 ms."""
+    lateness exceeds 10 ms (or messages are lost, or the rate cannot be kept) at two rates
+    in a row; the highest rate that met it is reported."""
     progress = Progress()
     prefix = f"hopsched-bench-throughput-{run_id}"
     raw = await _raw_loop(url, prefix, prefetch, THROUGHPUT_MESSAGES, progress)
@@ -201,6 +202,7 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
     steps: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     best = None
+    failed_in_a_row = 0
     strategy = make_strategy("hopsched-quorum", url, run_id, prefetch)
     async with Session(strategy) as session:
         for rate in STEP_RATES:
@@ -222,9 +224,11 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
                 f"scheduled at {run.summary['sustained_schedule_rate_per_s']}/s",
                 force=True,
             )
-            if not ok:
+            failed_in_a_row = 0 if ok else failed_in_a_row + 1
+            if ok:
+                best = rate
+            if failed_in_a_row == 2:  # one miss can be a noisy moment; two end the search
                 break
-            best = rate
     return {
         "raw_loop": raw,
         "relay": relay,

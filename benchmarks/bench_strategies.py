@@ -45,6 +45,7 @@ class Strategy:
         self.exchanges: list[str] = []
         self.process: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
+        self.log_warnings: list[str] = []  # the process's WARNING and ERROR lines
         self.connection: aio_pika.abc.AbstractConnection | None = None
         self.channel: aio_pika.abc.AbstractChannel | None = None
 
@@ -92,11 +93,12 @@ class Strategy:
             await asyncio.sleep(0.1)
         raise RuntimeError(f"{self.name}: no consumer on {self.consumed_queue} after 30 s")
 
-    def process_log(self) -> str:
+    def process_log(self, tail: int = 4000) -> str:
+        """The last ``tail`` characters the strategy's process wrote (stdout and stderr)."""
         if self._log is None:
             return ""
         self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-4000:]
+        return self._log.read().decode(errors="replace")[-tail:]
 
     async def schedule(self, schedule_id: str, delay_us: int, body: bytes) -> None:
         """Publish one message due ``delay_us`` from now, to the target queue; confirmed."""
@@ -128,6 +130,11 @@ class Strategy:
     async def close(self) -> list[str]:
         """Stop the process, delete every queue and exchange declared; what failed."""
         await self.stop_process()
+        self.log_warnings = [
+            line
+            for line in self.process_log(tail=1_000_000).splitlines()
+            if " WARNING " in line or " ERROR " in line
+        ]
         if self._log is not None:
             self._log.close()
             self._log = None
