@@ -54,10 +54,9 @@ def markdown_table(strategies: dict[str, dict[str, Any]]) -> str:
     ]
     for name, row in strategies.items():
         if not row.get("available", True):
+            reason = str(row.get("reason", "not available")).split(" (")[0]  # JSON has it all
             rest = ["-"] * (len(_COLUMNS) - 2)
-            lines.append(
-                f"| {name} | {row.get('reason', 'not available')} | " + " | ".join(rest) + " |"
-            )
+            lines.append(f"| {name} | {reason} | " + " | ".join(rest) + " |")
             continue
         cells = [name] + [_cell(row.get(key)) for key, _ in _COLUMNS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
