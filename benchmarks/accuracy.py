@@ -128,6 +128,7 @@ async def _main(options: dict[str, Any]) -> dict[str, Any]:
     runs: dict[str, Run] = {}
     if options["scenario"] == "throughput":
         result["throughput"] = await run_throughput(url, run_id, options["prefetch"])
+        result["workload"] = {"delays": f"rate steps, {result['throughput']['step_delays']}"}
         result["strategies"] = result["throughput"].pop("strategies")
         runs = result["throughput"].pop("runs")
     elif options["scenario"] == "backlog":
