@@ -14,7 +14,9 @@ import time
 
 import aio_pika
 
-BENCH_DUE = "x-bench-due"  # as bench_measure.BENCH_DUE; this file runs on its own
+# As bench_measure.BENCH_DUE, not imported from there: that module loads psutil and the
+# HDR histogram, which would add to the RSS this worker is measured by.
+BENCH_DUE = "x-bench-due"
 
 
 async def _sleep_until(due_us: int) -> None:
