@@ -1,0 +1,258 @@
+"""Delay-accuracy benchmark: hopsched side by side with the alternatives users would pick.
+
+Every strategy runs, one after another, the same generated workload on the same broker;
+lateness is measured at a real consumer of the target queue (receive instant - due time).
+See benchmarks/README.md for the method, the scenarios and the caveats.
+
+    python benchmarks/accuracy.py --scenario quick --json out.json --plot out/
+    python benchmarks/accuracy.py --count 500 --rate 100 --delays loguniform:10ms:5s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import platform
+import signal
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
+
+from bench_report import markdown_table, plot
+from bench_run import Progress, Run, Session, run_workload
+from bench_scenarios import run_backlog, run_throughput
+from bench_strategies import STRATEGIES, make_strategy
+from bench_workload import Workload, parse_delays
+
+from hopsched import mask_url
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "quick": {"count": 500, "rate": 100.0, "delays": "loguniform:10ms:5s"},
+    "standard": {"count": 5000, "rate": 500.0, "delays": "loguniform:10ms:10m"},
+    "mixed": {"count": 1000, "rate": 100.0, "delays": "mixed"},
+    "backlog": {
+        "count": 500,
+        "rate": 100.0,
+        "delays": "loguniform:10ms:5s",
+        "strategies": "hopsched-quorum",
+    },
+    "throughput": {"count": 0, "rate": 0.0, "delays": "loguniform:10ms:5s"},
+}
+DEFAULTS: dict[str, Any] = {
+    "count": 500,
+    "rate": 100.0,
+    "delays": "loguniform:10ms:10m",
+    "strategies": ",".join(STRATEGIES),
+}
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+async def _broker(url: str) -> dict[str, Any]:
+    connection = await aio_pika.connect(url, name="bench-probe")
+    async with connection:
+        properties = connection.transport.connection.server_properties  # type: ignore[union-attr]
+    return {
+        "product": str(properties.get("product", "")),
+        "version": str(properties.get("version", "")),
+        "platform": str(properties.get("platform", "")),
+        "url": mask_url(url),
+    }
+
+
+async def run_strategies(
+    url: str, names: list[str], workload: Workload, run_id: str, prefetch: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, Run]]:
+    """Each strategy in turn on ``workload``; rows for the JSON, runs for the plots."""
+    rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Run] = {}
+    progress = Progress()
+    for name in names:
+        strategy = make_strategy(name, url, run_id, prefetch)
+        reason = await strategy.unavailable()
+        if reason is not None:
+            rows[name] = {"available": False, "reason": reason}
+            progress.say(f"[{name}] {reason}", force=True)
+            continue
+        progress.say(f"[{name}] starting on prefix {strategy.prefix}", force=True)
+        async with Session(strategy) as session:
+            run = await run_workload(session, workload, tag=name, progress=progress)
+        run.summary["available"] = True
+        run.summary["counting"] = strategy.counting
+        if session.cleanup_problems:
+            run.summary["cleanup_problems"] = session.cleanup_problems
+        if strategy.log_warnings:
+            run.summary["process_log_warnings"] = strategy.log_warnings[:20]
+        rows[name], runs[name] = run.summary, run
+    return rows, runs
+
+
+async def _main(options: dict[str, Any]) -> dict[str, Any]:
+    url = options["url"]
+    run_id = uuid.uuid4().hex[:6]
+    result: dict[str, Any] = {
+        "scenario": options["scenario"],
+        "command": " ".join(["python", "benchmarks/accuracy.py", *sys.argv[1:]]),
+        "run_id": run_id,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m_start": _load(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "note": "broker, relay or worker, and load generator share this machine "
+            "with other work",
+        },
+        "broker": await _broker(url),
+    }
+    workload = Workload(
+        count=options["count"],
+        rate=options["rate"],
+        delays=options["delays"],
+        payload_bytes=options["payload_bytes"],
+        seed=options["seed"],
+    )
+    started = time.monotonic()
+    runs: dict[str, Run] = {}
+    if options["scenario"] == "throughput":
+        result["throughput"] = await run_throughput(url, run_id, options["prefetch"])
+        result["workload"] = {"delays": f"rate steps, {result['throughput']['step_delays']}"}
+        result["strategies"] = result["throughput"].pop("strategies")
+        runs = result["throughput"].pop("runs")
+    elif options["scenario"] == "backlog":
+        result["workload"] = workload.describe()
+        result["backlog"] = await run_backlog(
+            url, run_id, options["prefetch"], workload, options["backlog_count"]
+        )
+        result["strategies"] = result["backlog"].pop("strategies")
+        runs = result["backlog"].pop("runs")
+    else:
+        result["workload"] = workload.describe()
+        result["strategies"], runs = await run_strategies(
+            url, options["strategies"], workload, run_id, options["prefetch"]
+        )
+    result["duration_s"] = round(time.monotonic() - started, 1)
+    result["finished_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    result["machine"]["load_avg_1m_end"] = _load()
+    result["_runs"] = runs
+    return result
+
+
+def _run_cancellable(coroutine: Any) -> Any:
+    """Run ``coroutine``; SIGTERM cancels it like Ctrl-C, so its cleanup still runs."""
+
+    async def wrapper() -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await coroutine
+
+    return asyncio.run(wrapper())
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="Preset: quick, standard, mixed, backlog or throughput (options below override).",
+)
+@click.option("--count", type=click.IntRange(1), help="Messages (mixed: short ones).")
+@click.option("--rate", type=click.FloatRange(min=0.1), help="Messages scheduled per second.")
+@click.option(
+    "--delays",
+    help="loguniform:LOW:HIGH (default loguniform:10ms:10m), uniform:LOW:HIGH, fixed:D, mixed.",
+)
+@click.option("--payload-bytes", default=64, show_default=True, type=click.IntRange(0))
+@click.option("--seed", default=1, show_default=True, type=int)
+@click.option(
+    "--strategies",
+    help=f"Comma-separated, from: {', '.join(STRATEGIES)} (default: all).",
+)
+@click.option(
+    "--url",
+    default=lambda: os.environ.get("HOPSCHED_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    help="AMQP URL [env HOPSCHED_URL; default local guest].",
+)
+@click.option(
+    "--prefetch",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="The relay's prefetch (and the raw loop's in the throughput scenario).",
+)
+@click.option(
+    "--backlog-count",
+    default=1_000_000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Backlog scenario: messages pending with delays of 1-24 h.",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--markdown",
+    "markdown_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the table to this file.",
+)
+def main(**options: Any) -> None:
+    """Measure how late (or early) scheduled messages arrive, per strategy."""
+    for noisy in ("aiormq", "aio_pika"):  # the delayed-exchange probe closes a connection
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    preset = SCENARIOS.get(options["scenario"] or "", {})
+    for key, default in DEFAULTS.items():
+        if options.get(key) is None:
+            options[key] = preset.get(key, default)
+    options["scenario"] = options["scenario"] or "custom"
+    try:
+        options["delays"] = parse_delays(options["delays"])
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--delays") from None
+    names = [name.strip() for name in options["strategies"].split(",") if name.strip()]
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown or not names:
+        raise click.BadParameter(
+            f"{', '.join(unknown) or 'none given'}: choose from {', '.join(STRATEGIES)}",
+            param_hint="--strategies",
+        )
+    options["strategies"] = names
+    try:
+        result = _run_cancellable(_main(options))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; every queue and exchange declared was deleted", err=True)
+        sys.exit(130)
+    runs: dict[str, Run] = result.pop("_runs")
+    table = markdown_table(result["strategies"])
+    header = (
+        f"{result['scenario']}: {result.get('workload', {}).get('delays', '')} · broker "
+        f"{result['broker']['product']} {result['broker']['version']} · "
+        f"{result['machine']['cpu_count']} CPUs, load {result['machine']['load_avg_1m_start']}"
+        f" → {result['machine']['load_avg_1m_end']}"
+    )
+    click.echo(header)
+    click.echo(table)
+    if options["markdown_path"]:
+        options["markdown_path"].parent.mkdir(parents=True, exist_ok=True)
+        options["markdown_path"].write_text(f"{header}\n\n{table}\n")
+    if options["json_path"]:
+        options["json_path"].parent.mkdir(parents=True, exist_ok=True)
+        options["json_path"].write_text(json.dumps(result, indent=2) + "\n")
+    if options["plot_dir"]:
+        title = header.replace(" · broker", "\nbroker", 1)
+        plot({name: run.points for name, run in runs.items()}, options["plot_dir"], title)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""What the benchmark measures: deliveries at the target consumer, a process's CPU and
+memory, and the broker's state (version, memory, queue depths)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from hopsched.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
+from hopsched.stats import LatenessStats
+
+__all__ = [
+    "BENCH_DUE",
+    "BENCH_ID",
+    "Collector",
+    "Delivery",
+    "Pipeline",
+    "ProcessSampler",
+    "broker_memory",
+    "now_us",
+    "queue_depths",
+    "summarize",
+]
+
+#: Headers the benchmark puts on messages of the strategies other than hopsched,
+#: so that every consumer reads lateness the same way (receive instant - due, µs).
+BENCH_ID = "x-bench-id"
+BENCH_DUE = "x-bench-due"
+
+
+def now_us() -> int:
+    """Wall clock, integer µs since the Unix epoch (what the due headers count in)."""
+    return time.time_ns() // 1000
+
+
+class Pipeline:
+    """Runs coroutines as tasks, at most ``limit`` at once: ``submit`` waits for a free
+    slot, so publishes with confirms overlap without an unbounded backlog."""
+
+    def __init__(self, limit: int) -> None:
+        self._slots = asyncio.Semaphore(limit)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _run(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await work
+        finally:
+            self._slots.release()
+
+    async def submit(self, work: Coroutine[Any, Any, None]) -> None:
+        await self._slots.acquire()
+        task = asyncio.create_task(self._run(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for everything submitted (exceptions are the coroutines' to handle)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One message received at the target consumer."""
+
+    received_us: int
+    due_us: int
+    hops: int
+
+    @property
+    def lateness_us(self) -> int:
+        return self.received_us - self.due_us
+
+
+def _hops(headers: Mapping[str, Any]) -> int:
+    """Passes through a TTL queue: hopsched's hop count, else the broker's ``x-death``
+    history (one entry per queue and reason, each with a count)."""
+    hops = headers.get(HEADER_HOPS)
+    if isinstance(hops, int):
+        return hops
+    deaths = headers.get("x-death") or []
+    return sum(int(death.get("count", 1)) for death in deaths if isinstance(death, Mapping))
+
+
+@dataclass
+class Collector:
+    """Deliveries of one workload, by schedule id; duplicates and strays counted."""
+
+    expected: set[str]
+    deliveries: dict[str, Delivery] = field(default_factory=dict)
+    duplicates: int = 0
+    strays: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    awaited: int = 0  # how many deliveries end the wait (the long F01 ones are not awaited)
+
+    def record(self, headers: Mapping[str, Any] | None, received_us: int) -> None:
+        headers = headers or {}
+        schedule_id = headers.get(HEADER_ID, headers.get(BENCH_ID))
+        due_us = headers.get(HEADER_DUE, headers.get(BENCH_DUE))
+        if not isinstance(schedule_id, str) or not isinstance(due_us, int):
+            self.strays += 1
+            return
+        if schedule_id not in self.expected:
+            self.strays += 1
+        elif schedule_id in self.deliveries:
+            self.duplicates += 1
+        else:
+            self.deliveries[schedule_id] = Delivery(received_us, due_us, _hops(headers))
+            if len(self.deliveries) >= self.awaited:
+                self.done.set()
+
+
+def summarize(deliveries: list[Delivery]) -> dict[str, Any]:
+    """Lateness percentiles (HDR histogram, ms), early count, min, mean and max hops."""
+    stats = LatenessStats()
+    for delivery in deliveries:
+        stats.record(delivery.lateness_us)
+    hops = [d.hops for d in deliveries]
+    return {
+        "early": stats.early,
+        "min_ms": min((d.lateness_us for d in deliveries), default=0) / 1000,
+        "p50_ms": stats.percentile_ms(50),
+        "p90_ms": stats.percentile_ms(90),
+        "p99_ms": stats.percentile_ms(99),
+        "p999_ms": stats.percentile_ms(99.9),
+        "max_ms": stats.max_ms,
+        "mean_ms": stats.mean_ms,
+        "mean_hops": sum(hops) / len(hops) if hops else 0.0,
+        "max_hops": max(hops, default=0),
+    }
+
+
+def _vm_hwm_bytes(pid: int) -> int:
+    """The kernel's peak RSS of ``pid`` (``VmHWM`` in /proc/PID/status), 0 if unknown."""
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class ProcessSampler:
+    """CPU seconds and peak RSS of one process (a relay or a worker), sampled twice a second.
+
+    Peak RSS is the larger of the largest sample and the kernel's ``VmHWM``.
+    """
+
+    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        self._process = psutil.Process(pid)
+        self._interval_s = interval_s
+        self.peak_rss = 0
+        self.rss = 0
+        self.cpu_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def sample(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            with self._process.oneshot():
+                times = self._process.cpu_times()
+                self.cpu_s = times.user + times.system
+                self.rss = self._process.memory_info().rss
+            self.peak_rss = max(self.peak_rss, self.rss, _vm_hwm_bytes(self._process.pid))
+
+    async def _run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self._interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self.sample()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def _rabbitmqctl(*args: str) -> Any:
+    """``rabbitmqctl -q ARGS --formatter json`` parsed, or None (no rabbitmqctl, not root)."""
+    if shutil.which("rabbitmqctl") is None:
+        return None
+    try:
+        result = subprocess.run(
+            ["rabbitmqctl", "-q", *args, "--formatter", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return json.loads(result.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+async def broker_memory() -> dict[str, int] | None:
+    """The broker's memory in bytes (total as the broker counts it, and per quorum/classic
+    queue processes and message index), from ``rabbitmqctl status``; None if unavailable."""
+    status = await asyncio.to_thread(_rabbitmqctl, "status")
+    if not isinstance(status, dict) or not isinstance(status.get("memory"), dict):
+        return None
+    memory = status["memory"]
+    total = memory.get("total")
+    picked = {
+        "total": total.get("erlang") if isinstance(total, dict) else total,
+        "rss": total.get("rss") if isinstance(total, dict) else None,
+    }
+    for key in ("quorum_queue_procs", "quorum_ets", "queue_procs", "msg_index", "binary"):
+        picked[key] = memory.get(key)
+    return {k: int(v) for k, v in picked.items() if isinstance(v, int)}
+
+
+async def queue_depths(prefix: str) -> dict[str, int] | None:
+    """Messages (ready + unacknowledged) of every queue whose name starts with ``prefix``,
+    from ``rabbitmqctl list_queues``; None if unavailable."""
+    rows = await asyncio.to_thread(_rabbitmqctl, "list_queues", "name", "messages")
+    if not isinstance(rows, list):
+        return None
+    return {
+        row["name"]: int(row.get("messages") or 0)
+        for row in rows
+        if isinstance(row, dict) and str(row.get("name", "")).startswith(prefix)
+    }

@@ -1,0 +1,140 @@
+"""Output: the markdown table and the PNG plots (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from bench_measure import Delivery
+
+__all__ = ["markdown_table", "plot"]
+
+_COLUMNS = [
+    ("strategy", "strategy"),
+    ("scheduled", "sched"),
+    ("delivered", "deliv"),
+    ("lost", "lost"),
+    ("pending", "pending"),
+    ("duplicates", "dup"),
+    ("early", "early"),
+    ("p50_ms", "p50 ms"),
+    ("p90_ms", "p90 ms"),
+    ("p99_ms", "p99 ms"),
+    ("p999_ms", "p99.9 ms"),
+    ("max_ms", "max ms"),
+    ("after_schedule_p99_ms", "p99 ms, due after publishing"),
+    ("mean_hops", "hops mean"),
+    ("max_hops", "hops max"),
+    ("broker_publishes_per_msg", "broker pub/msg"),
+    ("sustained_schedule_rate_per_s", "sched/s"),
+    ("process_cpu_s", "proc CPU s"),
+    ("process_peak_rss_mb", "proc peak RSS MB"),
+    ("bench_loop_lag_p99_ms", "bench lag p99 ms"),
+]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown_table(strategies: dict[str, dict[str, Any]]) -> str:
+    """One row per strategy; an unavailable one says why."""
+    lines = [
+        "| " + " | ".join(title for _, title in _COLUMNS) + " |",
+        "|" + "|".join("---" for _ in _COLUMNS) + "|",
+    ]
+    for name, row in strategies.items():
+        if not row.get("available", True):
+            reason = str(row.get("reason", "not available")).split(" (")[0]  # JSON has it all
+            rest = ["-"] * (len(_COLUMNS) - 2)
+            lines.append(f"| {name} | {reason} | " + " | ".join(rest) + " |")
+            continue
+        cells = [name] + [_cell(row.get(key)) for key, _ in _COLUMNS[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_FLOOR_MS = 0.01  # lateness at or below this is drawn at it on the log axes
+
+
+def plot(points: dict[str, list[tuple[int, Delivery]]], directory: Path, title: str) -> list[Path]:
+    """Lateness CDF per strategy (log x), lateness and hops against requested delay."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for name, rows in points.items():
+        values = sorted(max(d.lateness_us / 1000, _FLOOR_MS) for _, d in rows)
+        if values:
+            fractions = [(i + 1) / len(values) for i in range(len(values))]
+            axes.step(values, fractions, where="post", label=f"{name} (n={len(values)})")
+    axes.set_xscale("log")
+    axes.set_xlabel(f"lateness at the consumer, ms (log; ≤ {_FLOOR_MS} ms drawn at {_FLOOR_MS})")
+    axes.set_ylabel("fraction of delivered messages")
+    axes.set_title(f"Lateness CDF\n{title}")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    written.append(_save(figure, directory / "lateness_cdf.png"))
+
+    written.append(
+        _scatter(
+            points,
+            lambda d: max(d.lateness_us / 1000, _FLOOR_MS),
+            "lateness, ms (log)",
+            f"Lateness against requested delay\n{title}",
+            directory / "lateness_vs_delay.png",
+            log_y=True,
+        )
+    )
+    written.append(
+        _scatter(
+            points,
+            lambda d: d.hops,
+            "hops (passes through a TTL queue)",
+            f"Hops against requested delay\n{title}",
+            directory / "hops_vs_delay.png",
+            log_y=False,
+        )
+    )
+    return written
+
+
+def _scatter(
+    points: dict[str, list[tuple[int, Delivery]]],
+    y: Callable[[Delivery], float],
+    ylabel: str,
+    title: str,
+    path: Path,
+    *,
+    log_y: bool,
+) -> Path:
+    """One dot per delivered message: requested delay (log x) against ``y``."""
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for name, rows in points.items():
+        xs = [max(delay / 1000, _FLOOR_MS) for delay, _ in rows]
+        axes.scatter(xs, [y(d) for _, d in rows], s=4, alpha=0.5, label=name)
+    axes.set_xscale("log")
+    if log_y:
+        axes.set_yscale("log")
+    axes.set_xlabel("requested delay, ms (log)")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small", markerscale=3)
+    return _save(figure, path)
+
+
+def _save(figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,251 @@
+"""Running one workload through one strategy: pace the schedule, receive at the target,
+wait, and summarize."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import aio_pika
+from bench_measure import (
+    Collector,
+    Delivery,
+    Pipeline,
+    ProcessSampler,
+    now_us,
+    queue_depths,
+    summarize,
+)
+from bench_strategies import Strategy
+from bench_workload import LONG_DELAY_US, Workload
+
+from hopsched.stats import LatenessStats
+
+__all__ = ["Progress", "Run", "Session", "run_workload"]
+
+MAX_IN_FLIGHT = 500  # schedule calls awaiting their confirm at once
+_MB = 1024 * 1024
+
+
+class Progress:
+    """One line on stderr every ``interval_s`` while a run goes, so a long one never looks hung."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def say(self, text: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.interval_s:
+            self._last = now
+            print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
+class LoopLag:
+    """How late this process's event loop wakes up (a 10 ms timer's overshoot): the
+    consumer's timestamps share this loop, so a busy loop inflates measured lateness."""
+
+    def __init__(self, tick_s: float = 0.01) -> None:
+        self._tick_s = tick_s
+        self.stats = LatenessStats()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(self._tick_s)
+            self.stats.record(int((loop.time() - before - self._tick_s) * 1_000_000))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "bench_loop_lag_p99_ms": round(self.stats.percentile_ms(99), 2),
+            "bench_loop_lag_max_ms": round(self.stats.max_ms, 2),
+        }
+
+
+class Session:
+    """A strategy opened on the broker, a consumer on its target queue, and a sampler of
+    its process; ``async with`` deletes everything it declared on the way out."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.collector = Collector(set())
+        self.sampler: ProcessSampler | None = None
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self.cleanup_problems: list[str] = []
+
+    async def __aenter__(self) -> Session:
+        try:
+            await self.strategy.open()
+            self._connection = await aio_pika.connect(self.strategy.url, name="bench-consumer")
+            channel = await self._connection.channel()
+            queue = await channel.get_queue(self.strategy.target_queue, ensure=False)
+
+            async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                received_us = now_us()  # first: lateness is measured here
+                self.collector.record(message.headers, received_us)
+
+            await queue.consume(on_message, no_ack=True)
+            if self.strategy.process is not None:
+                self.sampler = ProcessSampler(self.strategy.process.pid)
+                self.sampler.start()
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        if self.sampler is not None:
+            await self.sampler.stop()
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                await self._connection.close()
+            self._connection = None
+        self.cleanup_problems = await asyncio.shield(self.strategy.close())
+
+    def process_stats(self) -> dict[str, Any]:
+        if self.sampler is None:
+            return {"process_cpu_s": None, "process_peak_rss_mb": None, "process_rss_mb": None}
+        self.sampler.sample()
+        return {
+            "process_cpu_s": round(self.sampler.cpu_s, 2),
+            "process_peak_rss_mb": round(self.sampler.peak_rss / _MB, 1),
+            "process_rss_mb": round(self.sampler.rss / _MB, 1),
+        }
+
+
+@dataclass
+class Run:
+    """One workload's outcome: the summary row and, for the plots, every delivery with its
+    requested delay."""
+
+    summary: dict[str, Any]
+    points: list[tuple[int, Delivery]] = field(default_factory=list)
+
+
+async def run_workload(
+    session: Session, workload: Workload, *, tag: str, progress: Progress
+) -> Run:
+    """Schedule ``workload`` through ``session``'s strategy at its rate, wait for every
+    delivery (up to max due + 10 s + 1 % of the longest short delay) and summarize.
+
+    Delays of 24 h (F01's long ones) are not waited for: they are reported as pending,
+    with the number of messages still in the strategy's queues as evidence.
+    """
+    strategy = session.strategy
+    delays = workload.delays_us()
+    ids = [f"{tag}-{index}" for index in range(len(delays))]
+    long_ids = {i for i, d in zip(ids, delays, strict=True) if d >= LONG_DELAY_US}
+    short_delays = [d for d in delays if d < LONG_DELAY_US]
+    collector = Collector(set(ids), awaited=len(short_delays))
+    session.collector = collector
+    body = b"x" * workload.payload_bytes
+    cpu_before = session.sampler.cpu_s if session.sampler else 0.0
+    loop = asyncio.get_running_loop()
+    pipeline = Pipeline(MAX_IN_FLIGHT)
+    failures: list[str] = []
+    scheduled = 0
+
+    async def one(schedule_id: str, delay_us: int) -> None:
+        nonlocal scheduled
+        try:
+            await strategy.schedule(schedule_id, delay_us, body)
+            scheduled += 1
+        except Exception as error:
+            failures.append(f"{schedule_id}: {error!r}")
+
+    max_short_s = max(short_delays, default=0) / 1e6
+    grace_s = 10.0 + 0.01 * max_short_s
+    started = loop.time()
+    expected_end = started + len(delays) / workload.rate + max_short_s
+
+    def report(force: bool = False) -> None:
+        now = loop.time()
+        progress.say(
+            f"[{strategy.name}] scheduled {scheduled}/{len(delays)} delivered "
+            f"{len(collector.deliveries)}/{len(short_delays)} elapsed {now - started:.0f}s "
+            f"eta ~{max(0.0, expected_end - now):.0f}s",
+            force=force,
+        )
+
+    lag = LoopLag()
+    lag.start()
+    for index, (schedule_id, delay_us) in enumerate(zip(ids, delays, strict=True)):
+        wait = started + index / workload.rate - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        await pipeline.submit(one(schedule_id, delay_us))
+        report()
+    await pipeline.drain()
+    schedule_s = loop.time() - started
+    scheduled_by_us = now_us()
+    deadline = loop.time() + max_short_s + grace_s
+    while not collector.done.is_set() and loop.time() < deadline:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(collector.done.wait(), 1.0)
+        report()
+    await asyncio.sleep(0.2)  # a duplicate right behind the last delivery is still counted
+    lag.stop()
+    report(force=True)
+    delivered = list(collector.deliveries.values())
+    pending = sum(1 for i in long_ids if i not in collector.deliveries)
+    in_broker = None
+    if long_ids:
+        depths = await queue_depths(strategy.prefix + ".")
+        if depths is not None:
+            in_broker = sum(n for q, n in depths.items() if q != strategy.target_queue)
+    summary: dict[str, Any] = {
+        "scheduled": scheduled,
+        "delivered": len(delivered),
+        "lost": scheduled - len(delivered) - pending,
+        "pending": pending,
+        "pending_in_broker_queues": in_broker,
+        "duplicates": collector.duplicates,
+        "strays": collector.strays,
+        "schedule_failures": len(failures),
+        **summarize(delivered),
+    }
+    # Messages due once publishing has ended: what a steady stream would see, without
+    # the publishing burst competing for the same two cores.
+    quiet = summarize([d for d in delivered if d.due_us > scheduled_by_us])
+    summary["after_schedule_n"] = sum(1 for d in delivered if d.due_us > scheduled_by_us)
+    for key in ("p50_ms", "p99_ms", "max_ms"):
+        summary[f"after_schedule_{key}"] = quiet[key]
+    publishes = [strategy.client_publishes(d.hops) for d in delivered]
+    dead_letters = [d.hops for d in delivered]
+    n = max(1, len(delivered))
+    summary["client_publishes_per_msg"] = round(sum(publishes) / n, 3)
+    summary["dead_letters_per_msg"] = round(sum(dead_letters) / n, 3)
+    summary["broker_publishes_per_msg"] = round((sum(publishes) + sum(dead_letters)) / n, 3)
+    summary["sustained_schedule_rate_per_s"] = round(len(delays) / schedule_s, 1)
+    summary["wall_s"] = round(loop.time() - started, 1)
+    summary.update(lag.summary())
+    summary.update(session.process_stats())
+    if session.sampler is not None:
+        summary["process_cpu_s"] = round(session.sampler.cpu_s - cpu_before, 2)
+    if failures:
+        summary["schedule_failure_examples"] = failures[:5]
+    by_id = dict(zip(ids, delays, strict=True))
+    points = [(by_id[i], d) for i, d in collector.deliveries.items()]
+    return Run(summary, points)

@@ -1,0 +1,352 @@
+"""The throughput and backlog scenarios."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+from bench_measure import Pipeline, ProcessSampler, broker_memory, now_us, queue_depths
+from bench_run import MAX_IN_FLIGHT, Progress, Run, Session, run_workload
+from bench_strategies import Hopsched, make_strategy
+from bench_workload import Workload, parse_delays
+
+import hopsched
+
+__all__ = ["run_backlog", "run_throughput"]
+
+_MB = 1024 * 1024
+THROUGHPUT_MESSAGES = 20_000
+STEP_RATES = (50, 100, 150, 200, 250, 350, 500, 750, 1000, 1500, 2000, 3000, 4000)
+STEP_SECONDS = 10  # each rate step schedules for this long
+STEP_DELAYS = "loguniform:10ms:5s"
+TARGET_P99_MS = 10.0
+
+
+async def _fill(
+    channel: aio_pika.abc.AbstractChannel,
+    routing_key: str,
+    count: int,
+    message: Any,
+    progress: Progress,
+    label: str,
+) -> float:
+    """Publish ``count`` messages ``message(i)`` to the default exchange, confirms
+    pipelined; the rate achieved (msgs/s)."""
+    pipeline = Pipeline(MAX_IN_FLIGHT)
+    started = time.monotonic()
+
+    async def one(index: int) -> None:
+        await channel.default_exchange.publish(message(index), routing_key=routing_key)
+
+    for index in range(count):
+        await pipeline.submit(one(index))
+        progress.say(f"[{label}] filled {index}/{count}")
+    await pipeline.drain()
+    return count / (time.monotonic() - started)
+
+
+async def _raw_loop(
+    url: str, prefix: str, prefetch: int, count: int, progress: Progress
+) -> dict[str, Any]:
+    """A plain aio-pika consume -> publish-with-confirm -> ack loop between two quorum
+    queues, ``prefetch`` deliveries at once (as the relay), persistent messages."""
+    source, target = f"{prefix}.raw-source", f"{prefix}.raw-target"
+    connection = await aio_pika.connect(url, name="bench-raw-loop")
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        for name in (source, target):
+            await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+        fill_rate = await _fill(
+            channel,
+            source,
+            count,
+            lambda i: aio_pika.Message(b"x" * 64, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            progress,
+            "raw loop",
+        )
+        consumer = await connection.channel()
+        await consumer.set_qos(prefetch_count=prefetch)
+        publisher = await connection.channel(publisher_confirms=True)
+        queue = await consumer.get_queue(source, ensure=False)
+        done = asyncio.Event()
+        handled = 0
+        first: list[float] = []
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            nonlocal handled
+            if not first:
+                first.append(time.monotonic())
+            await publisher.default_exchange.publish(
+                aio_pika.Message(message.body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                routing_key=target,
+            )
+            await message.ack()
+            handled += 1
+            if handled == count:
+                done.set()
+
+        await queue.consume(on_message)
+        while not done.is_set():
+            progress.say(f"[raw loop] handled {handled}/{count}")
+            await asyncio.sleep(0.2)
+        elapsed = time.monotonic() - first[0]
+        return {
+            "messages": count,
+            "fill_rate_per_s": round(fill_rate, 1),
+            "msgs_per_s": round(count / elapsed, 1),
+            "seconds": round(elapsed, 2),
+            "prefetch": prefetch,
+        }
+    finally:
+        async with connection.channel() as channel:
+            for name in (source, target):
+                await channel.queue_delete(name)
+        await connection.close()
+
+
+async def _passive_counts(
+    connection: aio_pika.abc.AbstractConnection, name: str
+) -> tuple[int, int]:
+    async with connection.channel() as channel:
+        queue = await channel.declare_queue(name, passive=True)
+        result = queue.declaration_result
+        return result.message_count or 0, result.consumer_count or 0
+
+
+async def _relay_hops(
+    url: str, prefix: str, prefetch: int, count: int, progress: Progress
+) -> dict[str, Any]:
+    """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start the relay process,
+    and time it until every one sits in the step queue it hops to (exactly one hop each)."""
+    settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch)
+    topology = hopsched.Topology.from_settings(settings)
+    due_us = now_us() + 3600 * 1_000_000
+    step = settings.ladder.plan(now_us=now_us(), due_us=due_us)
+    assert isinstance(step, hopsched.Hop)
+    step_queue = topology.step_queue(step.step_ms)
+    connection = await aio_pika.connect(url, name="bench-relay-fill")
+    relay: asyncio.subprocess.Process | None = None
+    try:
+        await topology.declare(connection)
+        channel = await connection.channel(publisher_confirms=True)
+
+        def envelope(index: int) -> aio_pika.Message:
+            headers = hopsched.Envelope(
+                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=f"{prefix}.x"
+            ).to_headers()
+            return aio_pika.Message(
+                b"x" * 64, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+            )
+
+        await _fill(channel, topology.relay_queue, count, envelope, progress, "relay fill")
+        relay = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hopsched", "relay",
+            "--url", url, "--prefix", prefix, "--prefetch", str(prefetch),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        sampler = ProcessSampler(relay.pid, interval_s=0.2)
+        sampler.start()
+        started = None
+        while True:
+            ready, consumers = await _passive_counts(connection, topology.relay_queue)
+            if started is None and (consumers or ready < count):
+                started = time.monotonic()
+            hopped, _ = await _passive_counts(connection, step_queue)
+            if hopped >= count:
+                break
+            if relay.returncode is not None:
+                raise RuntimeError("the relay exited during the throughput run")
+            progress.say(f"[relay hops] {hopped}/{count} in {step_queue}")
+            await asyncio.sleep(0.02)
+        assert started is not None
+        elapsed = time.monotonic() - started
+        await sampler.stop()
+        return {
+            "messages": count,
+            "hops_per_s": round(count / elapsed, 1),
+            "seconds": round(elapsed, 2),
+            "prefetch": prefetch,
+            "step_ms": step.step_ms,
+            "relay_cpu_s": round(sampler.cpu_s, 2),
+            "relay_peak_rss_mb": round(sampler.peak_rss / _MB, 1),
+            "timing": "from the relay's consumer appearing (or the relay queue first "
+            "shrinking) to the step queue holding every message, polled every ~20 ms",
+        }
+    finally:
+        if relay is not None and relay.returncode is None:
+            relay.terminate()
+            await relay.wait()
+        async with connection.channel() as channel:
+            for name in topology.queues():
+                await channel.queue_delete(name)
+            await channel.exchange_delete(topology.expired_exchange)
+        await connection.close()
+
+
+async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]:
+    """(c) the schedule rate stepped up against hopsched-quorum until p99 lateness exceeds
+    10 ms (or messages are lost, or the rate cannot be kept) at two rates in a row, the
+    highest rate that met it reported; then (a) a raw aio-pika consume ->
+    publish-with-confirm -> ack loop and (b) the relay's hops/s on the same broker."""
+    progress = Progress()
+    steps: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Run] = {}
+    best = None
+    failed_in_a_row = 0
+    strategy = make_strategy("hopsched-quorum", url, run_id, prefetch)
+    async with Session(strategy) as session:
+        for rate in STEP_RATES:
+            workload = Workload(
+                count=rate * STEP_SECONDS,
+                rate=float(rate),
+                delays=parse_delays(STEP_DELAYS),
+                payload_bytes=64,
+                seed=rate,
+            )
+            run = await run_workload(session, workload, tag=f"rate{rate}", progress=progress)
+            name = f"hopsched-quorum @ {rate}/s"
+            run.summary["available"] = True
+            steps[name], runs[name] = run.summary, run
+            kept_up = run.summary["sustained_schedule_rate_per_s"] >= 0.9 * rate
+            ok = run.summary["lost"] == 0 and run.summary["p99_ms"] <= TARGET_P99_MS and kept_up
+            progress.say(
+                f"[rate {rate}/s] p99 {run.summary['p99_ms']:.1f} ms, lost {run.summary['lost']}, "
+                f"scheduled at {run.summary['sustained_schedule_rate_per_s']}/s",
+                force=True,
+            )
+            failed_in_a_row = 0 if ok else failed_in_a_row + 1
+            if ok:
+                best = rate
+            if failed_in_a_row == 2:  # one miss can be a noisy moment; two end the search
+                break
+    # The bulk phases come last: deleting their 20,000-message quorum queues keeps the
+    # broker busy for a while, which would show up as lateness in the rate steps.
+    prefix = f"hopsched-bench-throughput-{run_id}"
+    raw = await _raw_loop(url, prefix, prefetch, THROUGHPUT_MESSAGES, progress)
+    progress.say(f"[raw loop] {raw['msgs_per_s']} msgs/s", force=True)
+    relay = await _relay_hops(url, f"{prefix}-relay", prefetch, THROUGHPUT_MESSAGES, progress)
+    progress.say(f"[relay hops] {relay['hops_per_s']} hops/s", force=True)
+    return {
+        "raw_loop": raw,
+        "relay": relay,
+        "relay_to_raw_ratio": round(relay["hops_per_s"] / raw["msgs_per_s"], 3),
+        "rate_steps": list(steps),
+        "step_delays": STEP_DELAYS,
+        "step_seconds": STEP_SECONDS,
+        "max_rate_p99_within_10ms": best,
+        "strategies": steps,
+        "runs": runs,
+    }
+
+
+async def _relay_rss_mb(session: Session) -> float | None:
+    if session.sampler is None:
+        return None
+    session.sampler.sample()
+    return round(session.sampler.rss / _MB, 1)
+
+
+async def _snapshot(session: Session, label: str) -> dict[str, Any]:
+    depths = await queue_depths(session.strategy.prefix + ".")
+    return {
+        "at": label,
+        "broker_memory_mb": {
+            k: round(v / _MB, 1) for k, v in ((await broker_memory()) or {}).items()
+        },
+        "relay_rss_mb": await _relay_rss_mb(session),
+        "messages_in_prefix_queues": sum(depths.values()) if depths is not None else None,
+    }
+
+
+_FILL_SCRIPT = Path(__file__).resolve().parent / "bench_fill.py"
+FILL_PROCESSES = 2  # one Python process schedules ~1,500/s here; the broker has headroom
+
+
+async def _fill_backlog(strategy: Hopsched, count: int, seed: int, progress: Progress) -> int:
+    """Schedule ``count`` messages due in 1-24 h through hopsched's Scheduler, from
+    ``FILL_PROCESSES`` processes (``bench_fill.py``); the number of failed schedules."""
+    shares = [count // FILL_PROCESSES + (i < count % FILL_PROCESSES) for i in range(FILL_PROCESSES)]
+    done = [0] * FILL_PROCESSES
+    failures = 0
+    started = time.monotonic()
+
+    async def fill(index: int, share: int) -> None:
+        nonlocal failures
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(_FILL_SCRIPT),
+            strategy.url, strategy.prefix, strategy.queue_type, str(share),
+            str(seed * 100 + index), strategy.target_queue, f"backlog{index}",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdout is not None
+        async for line in process.stdout:
+            words = line.decode().split()
+            if words[0] == "done":
+                done[index], failed = int(words[1]), int(words[2])
+                failures += failed
+            else:
+                done[index] = int(words[0])
+            elapsed = time.monotonic() - started
+            rate = sum(done) / elapsed if elapsed else 0.0
+            eta = (count - sum(done)) / rate if rate else 0.0
+            progress.say(
+                f"[backlog] scheduled {sum(done)}/{count} at {rate:.0f}/s, eta ~{eta:.0f}s"
+            )
+        if await process.wait() != 0:
+            raise RuntimeError(f"bench_fill.py exited with status {process.returncode}")
+
+    await asyncio.gather(*(fill(i, share) for i, share in enumerate(shares)))
+    return failures
+
+
+async def run_backlog(
+    url: str, run_id: str, prefetch: int, workload: Workload, backlog_count: int
+) -> dict[str, Any]:
+    """hopsched-quorum on ``workload`` with an empty broker, then again once
+    ``backlog_count`` messages with delays of 1-24 h are pending in the same ladder."""
+    progress = Progress()
+    strategies: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Run] = {}
+    snapshots = []
+    strategy = make_strategy("hopsched-quorum", url, run_id, prefetch)
+    assert isinstance(strategy, Hopsched)
+    async with Session(strategy) as session:
+        snapshots.append(await _snapshot(session, "start"))
+        run = await run_workload(session, workload, tag="empty", progress=progress)
+        name = "hopsched-quorum, empty broker"
+        run.summary["available"] = True
+        strategies[name], runs[name] = run.summary, run
+        snapshots.append(await _snapshot(session, "after the empty-broker run"))
+
+        started = time.monotonic()
+        failures = await _fill_backlog(strategy, backlog_count, workload.seed, progress)
+        fill_s = time.monotonic() - started
+        await asyncio.sleep(5)  # let the quorum queues settle before measuring
+        snapshots.append(await _snapshot(session, f"{backlog_count} pending"))
+
+        run = await run_workload(session, workload, tag="backlog", progress=progress)
+        name = f"hopsched-quorum, {backlog_count:,} pending"
+        run.summary["available"] = True
+        strategies[name], runs[name] = run.summary, run
+        snapshots.append(await _snapshot(session, f"after the run with {backlog_count} pending"))
+        progress.say("[backlog] deleting the backlog (the queues of this prefix)", force=True)
+    depths = await queue_depths("hopsched-bench-")
+    leftovers = None if depths is None else sorted(q for q in depths if run_id in q)
+    empty, loaded = (strategies[n]["p99_ms"] for n in strategies)
+    return {
+        "backlog_count": backlog_count,
+        "backlog_delays": "uniform 1 h - 24 h",
+        "backlog_fill_s": round(fill_s, 1),
+        "backlog_fill_rate_per_s": round(backlog_count / fill_s, 1),
+        "backlog_schedule_failures": failures,
+        "snapshots": snapshots,
+        "p99_ratio_backlog_to_empty": round(loaded / empty, 2) if empty else None,
+        "leftover_bench_queues_after_cleanup": leftovers,
+        "strategies": strategies,
+        "runs": runs,
+    }
