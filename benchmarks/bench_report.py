@@ -20,6 +20,7 @@ _COLUMNS = [
     ("delivered", "deliv"),
     ("lost", "lost"),
     ("pending", "pending"),
+    ("overdue", "overdue"),
     ("duplicates", "dup"),
     ("early", "early"),
     ("p50_ms", "p50 ms"),
