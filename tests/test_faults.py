@@ -34,6 +34,7 @@ from support import (
     Received,
     Targets,
     lateness_line,
+    message_count,
     schedule_all,
 )
 
@@ -201,15 +202,18 @@ class Outcome:
             f"COVERAGE {fault}: messages={len(self.scheduled.due_us)} kills={self.kills} "
             f"restarts={self.restarts} lost={len(self.lost)} "
             f"duplicates={sum(n - 1 for n in self.duplicated.values())} "
-            f"early={len(self.early)} consumer_redeliveries={self.consumer_redeliveries} "
+            f"max_copies={max(self.copies.values(), default=0)} early={len(self.early)} "
+            f"consumer_redeliveries={self.consumer_redeliveries} "
             f"{lateness}{extra}"
         )
 
-    def assert_exact(self, *, duplicates_allowed: int = 0) -> None:
-        """No id lost, none early, every copy one of ours, at most that many extra copies."""
+    def assert_exact(self, *, duplicates_allowed: int = 0, lost_allowed: int = 0) -> None:
+        """None early, every copy one of ours, at most that many extra copies and lost."""
         unknown = set(self.copies) - set(self.scheduled.due_us)
         assert not unknown, f"{len(unknown)} deliveries with schedule ids never scheduled"
-        assert not self.lost, f"{len(self.lost)} lost, e.g. {sorted(self.lost)[:5]}"
+        assert len(self.lost) <= lost_allowed, (
+            f"{len(self.lost)} lost, e.g. {sorted(self.lost)[:5]}"
+        )
         assert not self.early, [(r.schedule_id, r.lateness_us) for r in self.early[:10]]
         for r in self.received:  # a copy carries its own schedule id, due time and body
             assert r.body == self.scheduled.body[r.schedule_id], r.schedule_id
@@ -496,6 +500,21 @@ async def _wait_for_ids_or_quiet(
         await asyncio.sleep(quiet_s)
 
 
+async def _depths(
+    connection: aio_pika.abc.AbstractConnection, settings: hopsched.Settings
+) -> tuple[int, int]:
+    """Ready messages in the step queues (together) and in the relay queue."""
+    topology = hopsched.Topology.from_settings(settings)
+    steps = [await message_count(connection, q) for q in topology.step_queues]
+    return sum(steps), await message_count(connection, topology.relay_queue)
+
+
+F09_PREFETCH = 200
+#: At-least-once dead-lettering keeps at most this many messages per quorum queue
+#: unconfirmed (RabbitMQ's ``dead_letter_worker_consumer_prefetch``): a crash may repeat them.
+QUORUM_DEAD_LETTER_WINDOW = 32
+
+
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     queue_type: str,
@@ -508,10 +527,11 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     await node.rabbitmqctl("set_permissions", "-p", "/", "f09", ".*", ".*", ".*")
     url = node.url.replace("guest:guest@", f"f09:{password}@")
     settings = hopsched.Settings(url=url, prefix=f"t{uuid.uuid4().hex[:10]}", queue_type=queue_type)  # type: ignore[arg-type]
-    relay = await relay_processes(settings)
+    relay = await relay_processes(settings, "--prefetch", str(F09_PREFETCH))
     target = await CrashProofCollector(url, f"t{uuid.uuid4().hex[:10]}.target").start()
     scheduled = Schedule()
     outages: list[tuple[int, int]] = []  # (killed, accepting AMQP again), µs
+    at_kills: list[tuple[int, int]] = []  # ready in (the steps, the relay queue) at each kill
     try:
         for kill, kill_at in enumerate((10.0, 10.0)):  # s after the node (re)started
             ready = time.monotonic()
@@ -522,7 +542,9 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
                 elapsed = time.monotonic() - ready
                 burst = _spread(150, kill_at - elapsed, kill_at - elapsed + 0.1)
                 await scheduled.add(scheduler, burst, target.name)
-            await asyncio.sleep(max(0.0, kill_at - (time.monotonic() - ready)))
+            probe = await aio_pika.connect(url)
+            await asyncio.sleep(max(0.0, kill_at - 0.05 - (time.monotonic() - ready)))
+            at_kills.append(await _depths(probe, settings))
             killed_us = now_us()
             await node.kill()
             await node.start()
@@ -549,18 +571,34 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
         for i, due in scheduled.due_us.items()
         if killed <= due <= back and i in first
     ]
-    outcome.extra["due_in_outages"] = len(after_restart)
-    outcome.extra["their_arrival_after_restart"] = lateness_line(after_restart)
-    outcome.extra["outages_s"] = [round((back - killed) / 1e6, 1) for killed, back in outages]
-    outcome.extra["reconnect_attempts_logged"] = relay.count("reconnect attempt")
+    steps_used = sum(step <= 60_000 for step in settings.ladder.steps)
+    in_flight_max = F09_PREFETCH + (
+        QUORUM_DEAD_LETTER_WINDOW * steps_used if queue_type == "quorum" else 0
+    )
+    outcome.extra |= {
+        "ready_at_kills(steps,relay)": at_kills,
+        "outages_s": [round((back - killed) / 1e6, 1) for killed, back in outages],
+        "reconnect_attempts_logged": relay.count("reconnect attempt"),
+        "due_in_outages": len(after_restart),
+        "arrival_after_restart": lateness_line(after_restart).removeprefix("lateness "),
+    }
     print(outcome.line(f"F09 broker kill -9 x2 ({queue_type})"))
 
     assert password not in relay.log
     assert relay.count("reconnect attempt") >= 2, relay.log  # each attempt is logged
     assert relay.returncode is None
+    assert all(steps > 0 for steps, _ in at_kills), at_kills
     assert after_restart, "no message fell due during an outage"
-    assert max(after_restart) < 35_000_000  # the relay's back-off tops out at 30 s
+    assert max(after_restart) < 15_000_000, "messages due in an outage came late after it"
     if queue_type == "quorum":
-        outcome.assert_exact(duplicates_allowed=len(scheduled.due_us))
+        # A crash repeats at most what was in flight: the relay's unacked deliveries and
+        # each step queue's unconfirmed dead-letters. Nothing is lost.
+        outcome.assert_exact(duplicates_allowed=outcome.kills * in_flight_max)
     else:
-        outcome.assert_exact(duplicates_allowed=len(scheduled.due_us))
+        # Reported above, not bounded: after a crash a classic queue gives back messages
+        # already acked or expired (the broker had not yet written those removals: 11 to
+        # 1,185 extra copies of 2,000, up to 3 of one message, in our runs), and it
+        # dead-letters at-most-once, so a crash at the instant of expiry may lose a message
+        # (none was lost in our runs). Still none early, every copy the scheduled one.
+        everything = len(scheduled.due_us)
+        outcome.assert_exact(duplicates_allowed=2 * everything, lost_allowed=everything)
