@@ -600,6 +600,7 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
         "ready_at_kills(steps,relay)": at_kills,
         "outages_s": [round((back - killed) / 1e6, 1) for killed, back in outages],
         "reconnect_attempts_logged": relay.count("reconnect attempt"),
+        "lost_with_8KiB_bodies": sum(len(scheduled.body[i]) == 8192 for i in outcome.lost),
         "due_in_outages": len(after_restart),
         "arrival_after_restart": lateness_line(after_restart).removeprefix("lateness "),
     }
