@@ -191,14 +191,24 @@ async def message_count(connection: aio_pika.abc.AbstractConnection, queue: str)
 
 
 async def wait_until_count(
-    connection: aio_pika.abc.AbstractConnection, queue: str, count: int, within: float
+    connection: aio_pika.abc.AbstractConnection,
+    queue: str,
+    count: int,
+    within: float,
+    *,
+    at_least: bool = False,
 ) -> int:
-    """Poll ``queue`` until it holds ``count`` ready messages; fail after ``within`` s."""
+    """Poll ``queue`` until it holds ``count`` (or ``at_least`` that many) ready messages;
+    fail after ``within`` s."""
     current = -1
+
+    def reached(current: int) -> bool:
+        return current >= count if at_least else current == count
+
     try:
         async with asyncio.timeout(within):
             # The broker signals no event for a queue's depth: polling is the only way.
-            while (current := await message_count(connection, queue)) != count:  # noqa: ASYNC110
+            while not reached(current := await message_count(connection, queue)):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
     except TimeoutError:
         pytest.fail(f"queue {queue}: {current} messages, expected {count} after {within} s")

@@ -33,8 +33,11 @@ from support import (
     Collector,
     Received,
     Targets,
+    get_all,
     lateness_line,
+    message_count,
     schedule_all,
+    wait_until_count,
 )
 
 import hopsched
@@ -112,6 +115,15 @@ class RelayProcess:
     @property
     def returncode(self) -> int | None:
         return None if self._process is None else self._process.returncode
+
+    def pause(self) -> None:
+        """SIGSTOP: the relay stalls (as in a long GC pause or a frozen VM)."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
 
     async def kill(self) -> None:
         """SIGKILL (a crash) and reap it."""
@@ -201,15 +213,18 @@ class Outcome:
             f"COVERAGE {fault}: messages={len(self.scheduled.due_us)} kills={self.kills} "
             f"restarts={self.restarts} lost={len(self.lost)} "
             f"duplicates={sum(n - 1 for n in self.duplicated.values())} "
-            f"early={len(self.early)} consumer_redeliveries={self.consumer_redeliveries} "
+            f"max_copies={max(self.copies.values(), default=0)} early={len(self.early)} "
+            f"consumer_redeliveries={self.consumer_redeliveries} "
             f"{lateness}{extra}"
         )
 
-    def assert_exact(self, *, duplicates_allowed: int = 0) -> None:
-        """No id lost, none early, every copy one of ours, at most that many extra copies."""
+    def assert_exact(self, *, duplicates_allowed: int = 0, lost_allowed: int = 0) -> None:
+        """None early, every copy one of ours, at most that many extra copies and lost."""
         unknown = set(self.copies) - set(self.scheduled.due_us)
         assert not unknown, f"{len(unknown)} deliveries with schedule ids never scheduled"
-        assert not self.lost, f"{len(self.lost)} lost, e.g. {sorted(self.lost)[:5]}"
+        assert len(self.lost) <= lost_allowed, (
+            f"{len(self.lost)} lost, e.g. {sorted(self.lost)[:5]}"
+        )
         assert not self.early, [(r.schedule_id, r.lateness_us) for r in self.early[:10]]
         for r in self.received:  # a copy carries its own schedule id, due time and body
             assert r.body == self.scheduled.body[r.schedule_id], r.schedule_id
@@ -231,10 +246,14 @@ class Schedule:
     started: float = field(default_factory=time.monotonic)
 
     async def add(
-        self, scheduler: hopsched.Scheduler, delays_s: Sequence[float], routing_key: str
+        self,
+        scheduler: hopsched.Scheduler,
+        delays_s: Sequence[float],
+        routing_key: str,
+        size: int = 16,
     ) -> list[str]:
-        """Schedule one persistent message per delay, each with a body of its own."""
-        bodies = [uuid.uuid4().bytes for _ in delays_s]
+        """Schedule one persistent message per delay, each with a body of its own (bytes)."""
+        bodies = [uuid.uuid4().bytes.ljust(size, b".") for _ in delays_s]
         calls = [
             {
                 "message": aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
@@ -295,11 +314,12 @@ async def test_f08_waits_longer_than_consumer_timeout_close_no_channel(
     assert relay.count("lost the connection") == 0, relay.log
     assert relay.count("reconnect") == 0, relay.log
     node_log = node.log()
-    assert "timed out" not in node_log, "the node timed out a consumer"
+    # RabbitMQ 3.10 logs "Consumer 1 on channel 1 has timed out waiting for delivery
+    # acknowledgement", then "Channel error on connection ..." (seen in a negative control).
+    assert "timed out waiting for delivery acknowledgement" not in node_log
     assert "Channel error" not in node_log
     assert "PRECONDITION_FAILED" not in node_log
-    channels = await node.rabbitmqctl("list_channels", "-q", "connection", "number")
-    print(f"F08 channels still open at the end:\n{channels}\nrelay log:\n{relay.log}")
+    print(f"F08 relay log:\n{relay.log}")
     await connection.close()
 
 
@@ -496,6 +516,21 @@ async def _wait_for_ids_or_quiet(
         await asyncio.sleep(quiet_s)
 
 
+async def _depths(
+    connection: aio_pika.abc.AbstractConnection, settings: hopsched.Settings
+) -> tuple[int, int]:
+    """Ready messages in the step queues (together) and in the relay queue."""
+    topology = hopsched.Topology.from_settings(settings)
+    steps = [await message_count(connection, q) for q in topology.step_queues]
+    return sum(steps), await message_count(connection, topology.relay_queue)
+
+
+F09_PREFETCH = 200
+#: At-least-once dead-lettering keeps at most this many messages per quorum queue
+#: unconfirmed (RabbitMQ's ``dead_letter_worker_consumer_prefetch``): a crash may repeat them.
+QUORUM_DEAD_LETTER_WINDOW = 32
+
+
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     queue_type: str,
@@ -508,26 +543,36 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     await node.rabbitmqctl("set_permissions", "-p", "/", "f09", ".*", ".*", ".*")
     url = node.url.replace("guest:guest@", f"f09:{password}@")
     settings = hopsched.Settings(url=url, prefix=f"t{uuid.uuid4().hex[:10]}", queue_type=queue_type)  # type: ignore[arg-type]
-    relay = await relay_processes(settings)
+    relay = await relay_processes(settings, "--prefetch", str(F09_PREFETCH))
     target = await CrashProofCollector(url, f"t{uuid.uuid4().hex[:10]}.target").start()
     scheduled = Schedule()
     outages: list[tuple[int, int]] = []  # (killed, accepting AMQP again), µs
+    at_kills: list[tuple[int, int]] = []  # ready in (the steps, the relay queue) at each kill
     try:
         for kill, kill_at in enumerate((10.0, 10.0)):  # s after the node (re)started
             ready = time.monotonic()
             async with hopsched.Scheduler(settings) as scheduler:
-                if kill == 0:  # in the steps at both kills: due from 5 s to 60 s
-                    await scheduled.add(scheduler, _spread(1700, 5.0, 60.0), target.name)
-                # Due from the kill to 100 ms after: held, in flight or in the last steps.
-                elapsed = time.monotonic() - ready
-                burst = _spread(150, kill_at - elapsed, kill_at - elapsed + 0.1)
-                await scheduled.add(scheduler, burst, target.name)
-            await asyncio.sleep(max(0.0, kill_at - (time.monotonic() - ready)))
+                # Small bodies, and 8 KiB ones: RabbitMQ keeps bodies over 4 KiB apart from
+                # a classic queue's index (queue_index_embed_msgs_below), on another path.
+                for size in (16, 8192):
+                    if kill == 0:  # in the steps at both kills: due from 5 s to 45 s
+                        await scheduled.add(scheduler, _spread(850, 5.0, 45.0), target.name, size)
+                    # Due from the kill to 100 ms after: held, in flight or in the last steps.
+                    elapsed = time.monotonic() - ready
+                    burst = _spread(75, kill_at - elapsed, kill_at - elapsed + 0.1)
+                    await scheduled.add(scheduler, burst, target.name, size)
+            probe = await aio_pika.connect(url)
+            if kill == 1:  # the relay stalls first: messages wait in the relay queue too
+                await asyncio.sleep(max(0.0, kill_at - 1.5 - (time.monotonic() - ready)))
+                relay.pause()
+            await asyncio.sleep(max(0.0, kill_at - 0.05 - (time.monotonic() - ready)))
+            at_kills.append(await _depths(probe, settings))
             killed_us = now_us()
             await node.kill()
             await node.start()
             outages.append((killed_us, now_us()))
-            await relay.wait_for("reconnected", kill + 1, within=60)
+            relay.resume()
+            await relay.wait_for("relay consuming", kill + 2, within=60)
 
         last_due = max(scheduled.due_us.values())
         await _wait_for_ids_or_quiet(target, scheduled.due_us, last_due + 30_000_000, 5.0)
@@ -549,18 +594,94 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
         for i, due in scheduled.due_us.items()
         if killed <= due <= back and i in first
     ]
-    outcome.extra["due_in_outages"] = len(after_restart)
-    outcome.extra["their_arrival_after_restart"] = lateness_line(after_restart)
-    outcome.extra["outages_s"] = [round((back - killed) / 1e6, 1) for killed, back in outages]
-    outcome.extra["reconnect_attempts_logged"] = relay.count("reconnect attempt")
+    steps_used = sum(step <= 45_000 for step in settings.ladder.steps)  # delays up to 45 s
+    in_flight_max = F09_PREFETCH + QUORUM_DEAD_LETTER_WINDOW * steps_used  # quorum, per kill
+    outcome.extra |= {
+        "ready_at_kills(steps,relay)": at_kills,
+        "outages_s": [round((back - killed) / 1e6, 1) for killed, back in outages],
+        "reconnect_attempts_logged": relay.count("reconnect attempt"),
+        "lost_with_8KiB_bodies": sum(len(scheduled.body[i]) == 8192 for i in outcome.lost),
+        "due_in_outages": len(after_restart),
+        "arrival_after_restart": lateness_line(after_restart).removeprefix("lateness "),
+    }
     print(outcome.line(f"F09 broker kill -9 x2 ({queue_type})"))
 
     assert password not in relay.log
-    assert relay.count("reconnect attempt") >= 2, relay.log  # each attempt is logged
+    assert relay.count("reconnect attempt") >= 1, relay.log  # each attempt is logged
+    assert relay.count("lost the connection") == 2, relay.log
     assert relay.returncode is None
+    assert all(steps > 0 for steps, _ in at_kills), at_kills
+    assert at_kills[1][1] > 0, at_kills  # waiting in the relay queue at the second kill
     assert after_restart, "no message fell due during an outage"
-    assert max(after_restart) < 35_000_000  # the relay's back-off tops out at 30 s
+    assert max(after_restart) < 15_000_000, "messages due in an outage came late after it"
     if queue_type == "quorum":
-        outcome.assert_exact(duplicates_allowed=len(scheduled.due_us))
+        # A crash repeats at most what was in flight: the relay's unacked deliveries and
+        # each step queue's unconfirmed dead-letters. Nothing is lost.
+        outcome.assert_exact(duplicates_allowed=outcome.kills * in_flight_max)
     else:
-        outcome.assert_exact(duplicates_allowed=len(scheduled.due_us))
+        # Reported above, not bounded: after a crash a classic queue gives back messages
+        # already acked or expired (the broker had not yet written those removals: 11 to
+        # 1,185 extra copies of 2,000, up to 3 of one message, in our runs), and it
+        # dead-letters at-most-once, so a crash at the instant of expiry may lose a message
+        # (none was lost in our runs). Still none early, every copy the scheduled one.
+        everything = len(scheduled.due_us)
+        outcome.assert_exact(duplicates_allowed=2 * everything, lost_allowed=everything)
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_f09_dead_lettering_across_a_broker_crash_with_no_relay_running(
+    queue_type: str, private_broker: PrivateBroker
+) -> None:
+    """The broker's own part, measured: kill -9 while a step queue dead-letters 8 KiB messages
+    into the relay queue (no relay: they wait there), and count what is left after restart."""
+    node = private_broker
+    settings = _node_settings(node, queue_type)
+    topology = hopsched.Topology.from_settings(settings)
+    count = 5000  # 40 MiB: more than one 16 MiB file of the classic message store
+    scheduled = Schedule()
+    async with hopsched.Scheduler(settings) as scheduler:  # all into the 4096 ms step
+        await scheduled.add(scheduler, [4.2] * count, "nowhere", size=8192)
+    connection = await aio_pika.connect(node.url)
+    await wait_until_count(connection, topology.relay_queue, 3000, within=30, at_least=True)
+    at_kill = await _depths(connection, settings)
+    await node.kill()
+    await node.start()
+
+    connection = await aio_pika.connect(node.url)
+    left = await _settled_depths(connection, settings)
+    got = await get_all(connection, topology.relay_queue)
+    await connection.close()
+    copies = Counter(str(m.headers[HEADER_ID]) for m in got)
+    lost = set(scheduled.due_us) - set(copies)
+    duplicates = sum(n - 1 for n in copies.values())
+    print(
+        f"COVERAGE F09 dead-lettering across kill -9, no relay ({queue_type}): messages={count} "
+        f"kills=1 restarts=1 lost={len(lost)} duplicates={duplicates} "
+        f"ready_at_kill(steps,relay)={at_kill} after_restart(steps,relay)={left}"
+    )
+
+    assert at_kill[0] > 0, at_kill  # the kill came while the step queue was dead-lettering
+    assert left[0] == 0
+    assert set(copies) <= set(scheduled.due_us)
+    if queue_type == "quorum":  # at-least-once: only the unconfirmed dead-letters repeat
+        assert not lost
+        assert duplicates <= QUORUM_DEAD_LETTER_WINDOW
+    # classic: reported above, not asserted. It dead-letters at-most-once: in our runs the
+    # crash lost 1,949 of these 5,000 (the ones waiting in the relay queue, not yet written
+    # by the broker), while 5,000 messages of 16 bytes came through whole.
+
+
+async def _settled_depths(
+    connection: aio_pika.abc.AbstractConnection, settings: hopsched.Settings
+) -> tuple[int, int]:
+    """Depths once the steps are empty and nothing changed for 3 s (a quorum queue's count
+    reads low for a few seconds while it recovers)."""
+    last, stable_since = (-1, -1), time.monotonic()
+    async with asyncio.timeout(90):
+        while True:
+            depths = await _depths(connection, settings)
+            if depths != last:
+                last, stable_since = depths, time.monotonic()
+            elif depths[0] == 0 and time.monotonic() - stable_since >= 3:
+                return depths
+            await asyncio.sleep(0.2)
