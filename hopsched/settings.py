@@ -79,7 +79,8 @@ class Settings:
         hold_window_ms: at or below this remaining time the relay waits in-process.
         hop_margin_ms: time kept in hand for one hop's overshoot (see ``Ladder``).
         queue_type: ``"quorum"`` (replicated, at-least-once dead-lettering; the default)
-            or ``"classic"`` (lower latency; the broker dead-letters at-most-once).
+            or ``"classic"`` (the broker dead-letters at-most-once: a broker crash can lose
+            messages, measured in tests/test_faults.py).
         prefetch: unacknowledged deliveries a relay holds at once (AMQP ``basic.qos``).
         log_interval_s: seconds between the relay's totals lines.
         allowed_targets: ``EXCHANGE/ROUTING-KEY`` glob patterns (see ``TargetPattern``);
