@@ -186,7 +186,12 @@ def schedule(
                 f"{key!r}: x-hopsched-* headers are hopsched's own", param_hint="--header"
             )
         header_table[key] = value
-    payload = body_file.read() if body_file is not None else (body or "").encode()
+    # surrogateescape: the exact bytes of a non-UTF-8 argument, as the shell passed them
+    payload = (
+        body_file.read()
+        if body_file is not None
+        else (body or "").encode("utf-8", "surrogateescape")
+    )
     message = aio_pika.Message(
         payload,
         headers=header_table,
@@ -313,8 +318,9 @@ def _when(value_us: int | None) -> str:
 def parked_list(
     url: str | None, prefix: str | None, queue_type: str | None, limit: int | None, as_json: bool
 ) -> None:
-    """Show parked messages (oldest first) with reason, target and due time; they stay
-    parked."""
+    """Show parked messages with reason, target and due time, in queue order; they stay
+    parked (each is returned to the queue, which counts as a delivery attempt on RabbitMQ
+    4.0-4.2 quorum queues)."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     found = _run(list_parked(settings, limit=limit))
     if as_json:

@@ -64,7 +64,9 @@ def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) 
         raise InvalidScheduleError(
             f"due time {due_us} µs since the epoch is after year 9999: use a shorter delay"
         )
-    return due_us
+    # Before 1970 is long past due, like a negative delay: due at the epoch, delivered at
+    # once (the envelope carries no negative due time).
+    return max(due_us, 0)
 
 
 def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:

@@ -31,7 +31,12 @@ def mask_url(url: str) -> str:
     """
     scheme, sep, rest = url.partition("://")
     userinfo, at, hostpart = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
+    if not sep:  # malformed (e.g. no scheme): mask everything from the first ':' to the '@'
+        head, at, hostpart = url.rpartition("@")
+        if not at or ":" not in head:
+            return url
+        return f"{head.split(':', 1)[0]}:***@{hostpart}"
+    if not at or ":" not in userinfo:
         return url
     user = userinfo.split(":", 1)[0]
     return f"{scheme}://{user}:***@{hostpart}"

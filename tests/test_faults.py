@@ -614,7 +614,9 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     assert relay.count("reconnect attempt") >= 1, relay.log  # each attempt is logged
     assert relay.count("lost the connection") == 2, relay.log
     assert relay.returncode is None
-    assert all(steps > 0 for steps, _ in at_kills), at_kills
+    assert at_kills[0][0] > 0, at_kills  # in the steps at the first kill
+    if queue_type == "quorum":  # classic may have lost its steps' messages in the first kill
+        assert at_kills[1][0] > 0, at_kills
     assert at_kills[1][1] > 0, at_kills  # waiting in the relay queue at the second kill
     assert after_restart, "no message fell due during an outage"
     assert max(after_restart) < 15_000_000, "messages due in an outage came late after it"

@@ -286,3 +286,13 @@ def test_a_password_with_reserved_characters_asks_for_percent_encoding(password:
 def test_a_prefix_rabbitmq_would_refuse_or_that_reads_oddly_is_rejected(prefix: str) -> None:
     with pytest.raises(InvalidScheduleError, match="prefix"):
         Settings(prefix=prefix)
+
+
+@pytest.mark.parametrize(
+    "url", ["u:hunter2@127.0.0.1", "amqp:/u:hunter2@host", "amqp//u:hunter2@host"]
+)
+def test_a_malformed_url_never_shows_its_password(url: str) -> None:
+    assert "hunter2" not in mask_url(url)
+    with pytest.raises(InvalidScheduleError) as raised:
+        Settings(url=url)
+    assert "hunter2" not in str(raised.value)
