@@ -24,6 +24,7 @@ __all__ = [
     "HEADER_EXCHANGE",
     "HEADER_EXPIRATION",
     "HEADER_HOPS",
+    "HEADER_HOP_EXPIRES",
     "HEADER_ID",
     "HEADER_PARKED_AT",
     "HEADER_PARKED_REASON",
@@ -50,6 +51,9 @@ HEADER_DUE = "x-hopsched-due"  # int, microseconds since the Unix epoch, UTC
 HEADER_EXCHANGE = "x-hopsched-exchange"
 HEADER_ROUTING_KEY = "x-hopsched-routing-key"
 HEADER_HOPS = "x-hopsched-hops"
+# int, µs since the Unix epoch: when the current hop's step TTL runs out (its publish
+# instant + the step); the relay measures each hop's overshoot against it.
+HEADER_HOP_EXPIRES = "x-hopsched-hop-expires"
 HEADER_EXPIRATION = "x-hopsched-expiration"  # the caller's own expiration, final publish only
 HEADER_DELIVERY_MODE = "x-hopsched-delivery-mode"  # the caller's, when not persistent (2)
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
@@ -80,7 +84,14 @@ _BROKER_HEADERS = BROKER_DEAD_LETTER_HEADERS | {BROKER_DELIVERY_COUNT_HEADER}
 
 # Only the relay needs these; the target consumer gets the id, due time and hop count.
 _ROUTING_HEADERS = frozenset(
-    {HEADER_VERSION, HEADER_EXCHANGE, HEADER_ROUTING_KEY, HEADER_EXPIRATION, HEADER_DELIVERY_MODE}
+    {
+        HEADER_VERSION,
+        HEADER_EXCHANGE,
+        HEADER_ROUTING_KEY,
+        HEADER_EXPIRATION,
+        HEADER_DELIVERY_MODE,
+        HEADER_HOP_EXPIRES,
+    }
 )
 
 
@@ -211,10 +222,15 @@ def _without(headers: Mapping[str, Any] | None, names: frozenset[str]) -> dict[s
     return {k: v for k, v in (headers or {}).items() if k not in names}
 
 
-def hop_headers(headers: Mapping[str, Any] | None, hops: int) -> dict[str, Any]:
-    """Headers for the next hop: the broker's bookkeeping removed, hop count set."""
+def hop_headers(
+    headers: Mapping[str, Any] | None, hops: int, expires_us: int | None = None
+) -> dict[str, Any]:
+    """Headers for the next hop: the broker's bookkeeping removed, hop count set, and
+    (when given) the instant the hop's TTL runs out, µs since the epoch."""
     result = _without(headers, _BROKER_HEADERS)
     result[HEADER_HOPS] = hops
+    if expires_us is not None:
+        result[HEADER_HOP_EXPIRES] = expires_us
     return result
 
 
@@ -234,5 +250,7 @@ def parked_headers(
 
 
 def unparked_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Headers for replaying a parked message: the parking reason, time and user_id gone."""
-    return _without(headers, _PARKED_HEADERS)
+    """Headers for replaying a parked message: the parking reason, time and user_id gone,
+    and its last hop's expiry (measured against it, the replay would look like a hop
+    late by the time it was parked)."""
+    return _without(headers, _PARKED_HEADERS | {HEADER_HOP_EXPIRES})

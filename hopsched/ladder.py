@@ -49,7 +49,8 @@ class Ladder:
         max_step_ms: largest step TTL in ms, a power of two, at most
             ``BROKER_MAX_TTL_MS``; longer delays reuse it as often as needed.
         hold_window_ms: remaining time (ms) at or below which the relay stops hopping
-            and waits in-process until the due time.
+            and waits in-process until the due time (1000: a timer is free, a hop costs
+            the broker a publish, a dead-lettering and a delivery).
         hop_margin_ms: time (ms) kept in hand for one hop's overshoot (TTL expiry,
             dead-lettering and delivery to the relay take 2.5-3 ms past the TTL on
             this project's machine, ``shared/DESIGN.md``): a step is chosen only if
@@ -62,7 +63,7 @@ class Ladder:
 
     min_step_ms: int = 16
     max_step_ms: int = 2**32
-    hold_window_ms: int = 50
+    hold_window_ms: int = 1000
     hop_margin_ms: int = 20
 
     def __post_init__(self) -> None:
@@ -106,19 +107,30 @@ class Ladder:
         low, high = self.min_step_ms.bit_length(), self.max_step_ms.bit_length()
         return tuple(1 << (k - 1) for k in range(low, high + 1))
 
-    def plan(self, *, now_us: int, due_us: int) -> Hop | Hold:
+    def plan(
+        self,
+        *,
+        now_us: int,
+        due_us: int,
+        hold_window_ms: int | None = None,
+        hop_margin_ms: int | None = None,
+    ) -> Hop | Hold:
         """Decide what to do with a message due at ``due_us`` when it is ``now_us``.
 
         Returns ``Hop(step)`` for the largest step with ``step + hop_margin <= remaining``
         while more than the hold window remains, else ``Hold(wait)`` with
         ``wait = max(0, remaining)``. A hop never outlasts the remaining time, so
         following the plan is never early; the remaining time at least halves per hop
-        below the top step, so the plan terminates.
+        below the top step, so the plan terminates. ``hold_window_ms`` and
+        ``hop_margin_ms`` override the ladder's own (the relay passes a hold window of 0
+        while it holds as many as it should, and a margin learnt from recent hops).
         """
         remaining_us = due_us - now_us
-        if remaining_us <= self.hold_window_ms * US_PER_MS:
+        window_ms = self.hold_window_ms if hold_window_ms is None else hold_window_ms
+        if remaining_us <= window_ms * US_PER_MS:
             return Hold(max(0, remaining_us))
-        budget_ms = (remaining_us - self.hop_margin_ms * US_PER_MS) // US_PER_MS
+        margin_ms = self.hop_margin_ms if hop_margin_ms is None else hop_margin_ms
+        budget_ms = (remaining_us - margin_ms * US_PER_MS) // US_PER_MS
         if budget_ms < self.min_step_ms:
             return Hold(remaining_us)
         if budget_ms >= self.max_step_ms:

@@ -24,6 +24,7 @@ from aiormq.abc import DeliveredMessage
 from hopsched.clock import now_us
 from hopsched.connect import connect
 from hopsched.envelope import (
+    HEADER_HOP_EXPIRES,
     HEADER_PARKED_USER_ID,
     PERSISTENT,
     Envelope,
@@ -32,7 +33,8 @@ from hopsched.envelope import (
     parked_headers,
 )
 from hopsched.errors import BrokerUnavailableError, EnvelopeError
-from hopsched.ladder import Hop
+from hopsched.ladder import US_PER_MS, Hop
+from hopsched.overshoot import OvershootTracker
 from hopsched.publisher import ConfirmedPublisher, TargetRefused, Unroutable, with_properties
 from hopsched.settings import Settings
 from hopsched.stats import LatenessStats
@@ -55,12 +57,14 @@ class RelayTotals:
     """Counts since the relay started, and lateness of its final publishes.
 
     ``lateness`` is measured at the relay: publish confirmed - due time.
+    ``overshoot``: arrival of a hop at the relay - the instant its step's TTL ran out.
     """
 
     delivered: int = 0
     hops: int = 0
     parked: int = 0
     lateness: LatenessStats = field(default_factory=LatenessStats)
+    overshoot: LatenessStats = field(default_factory=LatenessStats)
 
 
 class Relay:
@@ -87,6 +91,9 @@ class Relay:
         self._consuming = asyncio.Event()
         self._ever_consumed = False
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._held = 0  # deliveries waiting in-process for their due time
+        self._held_limit = max(1, self.settings.prefetch // 2)
+        self._overshoot = OvershootTracker()
 
     async def wait_consuming(self) -> None:
         """Return once the relay is connected and consuming."""
@@ -258,12 +265,33 @@ class Relay:
         if refusal := self._targets.refusal(envelope.exchange, envelope.routing_key):
             await self._park(publisher, delivered, refusal)
             return
-        action = self._ladder.plan(now_us=now_us(), due_us=envelope.due_us)
+        arrived_us = now_us()
+        expired_us = (properties.headers or {}).get(HEADER_HOP_EXPIRES)
+        if isinstance(expired_us, int) and not isinstance(expired_us, bool):
+            self._overshoot.record(arrived_us - expired_us, arrived_us)
+            self.totals.overshoot.record(arrived_us - expired_us)
+            self._last_report.overshoot.record(arrived_us - expired_us)
+        # Holding is free but takes a prefetch slot; past half the prefetch, hop instead so
+        # that new deliveries (some due now) still arrive.
+        crowded = self._held >= self._held_limit
+        margin_ms = self._overshoot.margin_ms(
+            arrived_us, floor_ms=self._ladder.hop_margin_ms, cap_ms=self._ladder.hold_window_ms
+        )
+        action = self._ladder.plan(
+            now_us=arrived_us,
+            due_us=envelope.due_us,
+            hold_window_ms=0 if crowded else None,
+            hop_margin_ms=margin_ms,
+        )
         try:
             if isinstance(action, Hop):
                 await self._hop(publisher, delivered, envelope, action.step_ms)
             else:
-                await _sleep_until(envelope.due_us)
+                self._held += 1
+                try:
+                    await _sleep_until(envelope.due_us)
+                finally:
+                    self._held -= 1
                 await self._deliver(publisher, delivered, envelope)
         except (Unroutable, TargetRefused) as error:
             await self._park(publisher, delivered, f"undeliverable: {error}")
@@ -282,7 +310,11 @@ class Relay:
             delivered,
             exchange="",
             routing_key=self.topology.step_queue(step_ms),
-            headers=hop_headers(delivered.header.properties.headers, envelope.hops + 1),
+            headers=hop_headers(
+                delivered.header.properties.headers,
+                envelope.hops + 1,
+                expires_us=now_us() + step_ms * US_PER_MS,
+            ),
             expiration=None,
             delivery_mode=PERSISTENT,
         )
@@ -344,13 +376,14 @@ class Relay:
         """Log the last interval's counts and lateness, and the totals since start."""
         now, last = self.totals, self._last_report
         log.info(
-            "last %.0f s: delivered=%d hops=%d parked=%d %s; since start: delivered=%d "
-            "hops=%d parked=%d",
+            "last %.0f s: delivered=%d hops=%d parked=%d %s, hop overshoot %s; "
+            "since start: delivered=%d hops=%d parked=%d",
             time.monotonic() - self._last_report_at,
             now.delivered - last.delivered,
             now.hops - last.hops,
             now.parked - last.parked,
             last.lateness.summary(),
+            last.overshoot.summary().removeprefix("lateness "),
             now.delivered,
             now.hops,
             now.parked,

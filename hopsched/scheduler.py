@@ -15,9 +15,9 @@ from pamqp.commands import Basic
 
 from hopsched.clock import datetime_to_us, now_us, timedelta_to_us, us_to_datetime
 from hopsched.connect import connect
-from hopsched.envelope import PERSISTENT, Envelope
+from hopsched.envelope import HEADER_HOP_EXPIRES, PERSISTENT, Envelope
 from hopsched.errors import InvalidScheduleError
-from hopsched.ladder import Hop
+from hopsched.ladder import US_PER_MS, Hop
 from hopsched.publisher import ConfirmedPublisher, with_properties
 from hopsched.settings import Settings
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology
@@ -210,12 +210,15 @@ class Scheduler:
             if properties.delivery_mode == PERSISTENT
             else properties.delivery_mode or 0,
         )
+        hop_expires = {}
+        if isinstance(action, Hop):  # lets the relay measure how late the hop comes back
+            hop_expires[HEADER_HOP_EXPIRES] = now + action.step_ms * US_PER_MS
         properties = with_properties(
             properties,
             # Left unset, AMQP clients fill message_id with a random id; the schedule id
             # is as unique and lets consumers de-duplicate on either.
             message_id=properties.message_id or envelope.schedule_id,
-            headers={**(properties.headers or {}), **envelope.to_headers()},
+            headers={**(properties.headers or {}), **envelope.to_headers(), **hop_expires},
             expiration=None,
             delivery_mode=PERSISTENT,
         )

@@ -23,16 +23,19 @@ from hopsched.envelope import (
     HEADER_DUE,
     HEADER_EXCHANGE,
     HEADER_EXPIRATION,
+    HEADER_HOP_EXPIRES,
     HEADER_HOPS,
     HEADER_ID,
     HEADER_PARKED_AT,
     HEADER_PARKED_REASON,
+    HEADER_PARKED_USER_ID,
     HEADER_ROUTING_KEY,
     HEADER_VERSION,
     Envelope,
     delivery_headers,
     hop_headers,
     parked_headers,
+    unparked_headers,
 )
 from hopsched.errors import EnvelopeError, HopschedError
 
@@ -206,6 +209,7 @@ def test_target_names_over_255_bytes_are_an_envelope_error(name: str) -> None:
 
 DEAD_LETTERED = {
     **valid_headers(),
+    HEADER_HOP_EXPIRES: DUE_US - 20_000,
     HEADER_EXPIRATION: "5000",
     HEADER_DELIVERY_MODE: 1,
     "x-death": [{"count": 1, "queue": "hopsched.step.16", "reason": "expired"}],
@@ -262,6 +266,13 @@ def test_delivery_headers_keep_callers_headers_and_id_due_hops_only() -> None:
         HEADER_DUE: DUE_US,
         HEADER_HOPS: 3,
     }
+
+
+def test_hop_headers_set_when_the_next_hop_expires() -> None:
+    headers = hop_headers(DEAD_LETTERED, 4, expires_us=DUE_US - 500_000)
+
+    assert headers[HEADER_HOP_EXPIRES] == DUE_US - 500_000
+    assert hop_headers({}, 1) == {HEADER_HOPS: 1}
 
 
 def test_delivery_headers_of_none_are_empty() -> None:
@@ -416,3 +427,14 @@ def test_a_float_due_time_would_not_survive_the_wire() -> None:
     decoded = wire({"due": as_seconds})["due"]
 
     assert abs(decoded - as_seconds) == 60.0
+
+
+def test_unparked_headers_drop_the_parking_and_the_last_hops_expiry() -> None:
+    parked = parked_headers(DEAD_LETTERED, "undeliverable: NO_ROUTE", 1_800_000_000_000_000)
+    parked[HEADER_PARKED_USER_ID] = "alice"
+
+    replayed = unparked_headers(parked)
+
+    assert not {HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID} & replayed.keys()
+    assert HEADER_HOP_EXPIRES not in replayed
+    assert Envelope.from_headers(replayed) == Envelope.from_headers(DEAD_LETTERED)

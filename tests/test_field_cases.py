@@ -212,7 +212,7 @@ async def test_F02b(
         await target.wait_for(3, within=30)
 
         # ...and for a scheduler with another ladder range on the same prefix.
-        ranged_settings = make_settings(min_step_ms=64, max_step_ms=2**20)
+        ranged_settings = make_settings(min_step_ms=64, max_step_ms=2**20, hold_window_ms=50)
         async with hopsched.Scheduler(ranged_settings) as ranged:
             after = await schedule_all(
                 ranged,
@@ -300,7 +300,7 @@ async def test_F05a(
     amqp: AMQP,
 ) -> None:
     """A route through the same step queue many times arrives; x-death never accumulates."""
-    small = make_settings(max_step_ms=64)
+    small = make_settings(max_step_ms=64, hold_window_ms=50)
     route = small.ladder.route(600_000, 3000)
     assert route.count(64) >= 5, route
     relay = await relays.start(small)
@@ -544,7 +544,7 @@ async def test_F11(
     )
     hopping = await scheduler.schedule(
         aio_pika.Message(b"hops with expiration", expiration=0.3),
-        delay=2.0,
+        delay=4.0,  # 2048 ms, then 1024 ms, then held: the relay re-publishes it once
         exchange=spread,
         routing_key="exp",
     )

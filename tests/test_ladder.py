@@ -8,11 +8,11 @@ an overshoot (TTL expiry and dead-lettering take 2.5-3 ms past the TTL, DESIGN.m
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from hopsched.errors import InvalidScheduleError
@@ -209,6 +209,31 @@ def test_a_hop_is_the_largest_ladder_step_that_fits(
         assert remaining_us <= ladder.hold_window_ms * US_PER_MS or not smallest_fits
 
 
+@given(ladder=ladders(min_margin_ms=1), data=st.data())
+def test_hops_are_at_most_log2_of_delay_over_hold_window_plus_2(
+    ladder: Ladder, data: st.DataObject
+) -> None:
+    """Issue 5's bound: hops <= ceil(log2(delay / hold window)) + 2 within the ladder."""
+    window_us = max(ladder.hold_window_ms, ladder.min_step_ms) * US_PER_MS
+    assume(window_us < ladder.max_step_ms * US_PER_MS)
+    delay_us = data.draw(st.integers(window_us + 1, ladder.max_step_ms * US_PER_MS))
+    run = follow_plan(
+        ladder, delay_us, lambda: data.draw(st.integers(0, ladder.hop_margin_ms * US_PER_MS - 1))
+    )
+
+    assert len(run.hops) <= ceil_log2_ratio(delay_us, window_us) + 2
+
+
+@given(ladder=ladders(), remaining_us=st.integers(-(2**40), 2**45), window_ms=st.integers(0, 5000))
+def test_a_hold_window_override_replaces_the_ladders_own(
+    ladder: Ladder, remaining_us: int, window_ms: int
+) -> None:
+    overridden = ladder.plan(now_us=0, due_us=remaining_us, hold_window_ms=window_ms)
+    rebuilt = replace(ladder, hold_window_ms=window_ms)
+
+    assert overridden == rebuilt.plan(now_us=0, due_us=remaining_us)
+
+
 @given(
     ladder=ladders(),
     now_us=st.integers(0, 2**60),
@@ -251,10 +276,10 @@ def test_plan_depends_only_on_the_remaining_time(
         pytest.param(400, Hold(400), id="0.4ms"),
         pytest.param(1_500, Hold(1_500), id="1.5ms"),
         pytest.param(36 * MS, Hold(36 * MS), id="min-step-plus-margin-inside-hold-window"),
-        pytest.param(50 * MS, Hold(50 * MS), id="hold-window-edge"),
-        pytest.param(50 * MS + 1, Hop(16), id="just-past-hold-window"),
-        pytest.param(52 * MS, Hop(32), id="52ms"),
-        pytest.param(SECOND, Hop(512), id="1s"),
+        pytest.param(52 * MS, Hold(52 * MS), id="52ms"),
+        pytest.param(SECOND, Hold(SECOND), id="hold-window-edge"),
+        pytest.param(SECOND + 1, Hop(512), id="just-past-hold-window"),
+        pytest.param(1100 * MS, Hop(1024), id="1.1s"),
         pytest.param(2**32 * MS - MS, Hop(2**31), id="2**32-1ms"),
         pytest.param(2**32 * MS, Hop(2**31), id="2**32ms-top-step-needs-margin"),
         pytest.param(2**32 * MS + 20 * MS, Hop(2**32), id="top-step-plus-margin"),
@@ -299,11 +324,12 @@ def test_plan_at_the_smallest_step(ladder: Ladder, remaining_us: int, expected: 
         pytest.param(DEFAULT, -5 * SECOND, [], id="negative"),
         pytest.param(DEFAULT, 400, [], id="0.4ms"),
         pytest.param(DEFAULT, 1_500, [], id="1.5ms"),
-        pytest.param(DEFAULT, SECOND, [512, 256, 128, 64], id="1s"),
+        pytest.param(DEFAULT, SECOND, [], id="1s-is-held"),
+        pytest.param(DEFAULT, 4 * SECOND, [2048, 1024], id="4s"),
         pytest.param(
             Ladder(max_step_ms=1024),
             10 * SECOND,
-            [1024] * 9 + [512, 128, 64, 32],
+            [1024] * 9,
             id="top-step-reused",
         ),
     ],
@@ -315,7 +341,7 @@ def test_route(ladder: Ladder, delay_us: int, expected: list[int]) -> None:
 def test_route_with_overshoot_ends_inside_the_hold_window() -> None:
     steps = DEFAULT.route(60 * SECOND, overshoot_us=3 * MS)
 
-    assert steps == [32768, 16384, 8192, 2048, 512, 32]
+    assert steps == [32768, 16384, 8192, 2048]
     assert 60 * SECOND - sum(steps) * MS - len(steps) * 3 * MS <= DEFAULT.hold_window_ms * MS
 
 

@@ -15,6 +15,7 @@ from pamqp.commands import Basic
 from support import (
     HEADER_DUE,
     HEADER_EXCHANGE,
+    HEADER_HOPS,
     HEADER_ID,
     HEADER_PARKED_REASON,
     HEADER_ROUTING_KEY,
@@ -26,6 +27,7 @@ from support import (
 
 import hopsched
 from hopsched.clock import datetime_to_us, now_us
+from hopsched.envelope import HEADER_HOP_EXPIRES
 
 AMQP = aio_pika.abc.AbstractConnection
 
@@ -395,3 +397,49 @@ async def test_bodies_of_8_mib_empty_and_non_utf8_arrive_intact(
     target.assert_never_early()
     hops = max(copy.headers["x-hopsched-hops"] for copy in target.received)
     print(f"\nbodies 8 MiB / empty / non-UTF-8, {hops} hops at most: {target.lateness_line()}")
+
+
+async def test_a_crowded_relay_hops_instead_of_holding(
+    make_settings: Any, relays: Relays, targets: Targets
+) -> None:
+    """With half its prefetch held, the relay hops short remainders instead of holding."""
+    settings = make_settings(prefetch=8)  # holds at most 4 at once
+    target = await targets.queue()
+    relay = await relays.start(settings)
+    async with hopsched.Scheduler(settings) as scheduler:
+        scheduled = await schedule_all(
+            scheduler,
+            [{"message": b"short", "delay": 0.9, "routing_key": target.name} for _ in range(40)],
+        )
+    await target.wait_for_ids({s.schedule_id for s in scheduled}, within=30)
+    await target.settle(0.5)
+    target.assert_never_early()
+    assert set(target.counts()) == {s.schedule_id for s in scheduled}
+    hops = [r.headers[HEADER_HOPS] for r in target.received]
+    print(f"\ncrowded relay: hops per message {sorted(hops)}; {target.lateness_line()}")
+    assert hops.count(0) >= 1, "nothing was held"
+    assert sum(1 for h in hops if h > 0) >= 20, "a crowded relay kept holding"
+    assert relay.totals.hops >= 20
+
+
+async def test_hops_carry_their_expiry_and_the_relay_measures_overshoot(
+    settings: hopsched.Settings,
+    relay: hopsched.Relay,
+    scheduler: hopsched.Scheduler,
+    targets: Targets,
+) -> None:
+    """Each hop says when its TTL runs out; the relay measures how late it came back, and
+    the target never sees that header."""
+    target = await targets.queue()
+    scheduled = await schedule_all(
+        scheduler,
+        [{"message": b"hop", "delay": 3.0, "routing_key": target.name} for _ in range(20)],
+    )
+    await target.wait_for_ids({s.schedule_id for s in scheduled}, within=30)
+    target.assert_never_early()
+    assert all(HEADER_HOP_EXPIRES not in r.headers for r in target.received)
+    assert all(r.headers[HEADER_HOPS] >= 1 for r in target.received)
+    overshoot = relay.totals.overshoot
+    print(f"\nhop overshoot at the relay: {overshoot.summary()} over {overshoot.count} hops")
+    assert overshoot.count >= 20
+    assert overshoot.percentile_ms(50) < 1000

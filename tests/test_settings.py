@@ -25,7 +25,7 @@ def test_defaults() -> None:
     assert settings.prefetch == 1000
     assert settings.log_interval_s == 60.0
     assert settings.ladder == Ladder(
-        min_step_ms=16, max_step_ms=2**32, hold_window_ms=50, hop_margin_ms=20
+        min_step_ms=16, max_step_ms=2**32, hold_window_ms=1000, hop_margin_ms=20
     )
     assert settings.masked_url == "amqp://guest:***@localhost:5672/"
 
