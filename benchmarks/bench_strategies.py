@@ -339,6 +339,24 @@ class SecondsLadder(Strategy):
         )
 
 
+class BrokerFloor(Strategy):
+    """Not a scheduler: every message goes straight to the target, due the instant it is
+    published. Its lateness is the broker's own publish -> consume time at this rate and
+    on this machine: the floor under the last leg of every strategy (a scheduler that
+    publishes exactly at the due time still arrives this late)."""
+
+    name = "broker-floor"
+    counting = "client publishes: 1; dead-letters: 0"
+
+    async def _declare(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        pass
+
+    async def schedule(self, schedule_id: str, delay_us: int, body: bytes) -> None:
+        assert self.channel is not None
+        message = self.message(schedule_id, now_us(), body)
+        await self.channel.default_exchange.publish(message, routing_key=self.target_queue)
+
+
 class ConsumerHold(Strategy):
     """The Celery-ETA / Dramatiq way: a worker (``bench_hold_worker.py``, its own process)
     consumes at once, holds each message in memory until due, publishes it to the target
@@ -433,6 +451,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         SecondsLadder,
         ConsumerHold,
         DelayedExchange,
+        BrokerFloor,
     )
 }
 
