@@ -26,6 +26,7 @@ __all__ = [
     "Pipeline",
     "ProcessSampler",
     "broker_memory",
+    "delivery_fields",
     "now_us",
     "queue_depths",
     "summarize",
@@ -91,6 +92,17 @@ def _hops(headers: Mapping[str, Any]) -> int:
     return sum(int(death.get("count", 1)) for death in deaths if isinstance(death, Mapping))
 
 
+def delivery_fields(headers: Mapping[str, Any] | None) -> tuple[str, int, int] | None:
+    """(schedule id, due µs, hops) from a delivered message's headers: hopsched's own, or
+    the benchmark's ``x-bench-*`` ones; None for a stray (no id or no integer due time)."""
+    headers = headers or {}
+    schedule_id = headers.get(HEADER_ID, headers.get(BENCH_ID))
+    due_us = headers.get(HEADER_DUE, headers.get(BENCH_DUE))
+    if not isinstance(schedule_id, str) or not isinstance(due_us, int):
+        return None
+    return schedule_id, due_us, _hops(headers)
+
+
 @dataclass
 class Collector:
     """Deliveries of one workload, by schedule id; duplicates and strays counted."""
@@ -102,21 +114,23 @@ class Collector:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     awaited: int = 0  # how many deliveries end the wait (the long F01 ones are not awaited)
 
-    def record(self, headers: Mapping[str, Any] | None, received_us: int) -> None:
-        headers = headers or {}
-        schedule_id = headers.get(HEADER_ID, headers.get(BENCH_ID))
-        due_us = headers.get(HEADER_DUE, headers.get(BENCH_DUE))
-        if not isinstance(schedule_id, str) or not isinstance(due_us, int):
-            self.strays += 1
-            return
+    def add(self, schedule_id: str, due_us: int, hops: int, received_us: int) -> None:
+        """One delivery, its fields already read (``delivery_fields``)."""
         if schedule_id not in self.expected:
             self.strays += 1
         elif schedule_id in self.deliveries:
             self.duplicates += 1
         else:
-            self.deliveries[schedule_id] = Delivery(received_us, due_us, _hops(headers))
+            self.deliveries[schedule_id] = Delivery(received_us, due_us, hops)
             if len(self.deliveries) >= self.awaited:
                 self.done.set()
+
+    def record(self, headers: Mapping[str, Any] | None, received_us: int) -> None:
+        fields = delivery_fields(headers)
+        if fields is None:
+            self.strays += 1
+        else:
+            self.add(*fields, received_us)
 
 
 def summarize(deliveries: list[Delivery]) -> dict[str, Any]:

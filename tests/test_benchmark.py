@@ -6,12 +6,17 @@ and writes the JSON fields and plots that ``benchmarks/README.md`` documents.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy.py"
+from hopsched.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPT = BENCHMARKS / "accuracy.py"
 FIELDS = (
     "scheduled",
     "delivered",
@@ -29,6 +34,50 @@ FIELDS = (
     "process_cpu_s",
     "process_peak_rss_mb",
 )
+
+
+def _bench(name: str) -> ModuleType:
+    """A ``benchmarks/bench_*`` module (they import each other by bare name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def test_consumer_lines_carry_what_the_collector_records() -> None:
+    consumer, measure = _bench("bench_consumer"), _bench("bench_measure")
+    collector = measure.Collector({"a", "b\tc"}, awaited=2)
+    messages = [
+        {HEADER_ID: "a", HEADER_DUE: 1_000, HEADER_HOPS: 3},
+        {measure.BENCH_ID: "b\tc", measure.BENCH_DUE: 2_000, "x-death": [{"count": 2}]},
+        {HEADER_ID: "a", HEADER_DUE: 1_000, HEADER_HOPS: 3},  # duplicate
+        {measure.BENCH_ID: "zz", measure.BENCH_DUE: 5},  # unknown id
+        {},  # no id, no due time
+        {HEADER_ID: "a\nb", HEADER_DUE: 1},  # would break the line
+    ]
+    lines = [
+        consumer.format_line(measure.delivery_fields(headers), 10_000 + i)
+        for i, headers in enumerate(messages)
+    ]
+    assert lines[4] == lines[5] == consumer.STRAY
+    assert all(line.endswith("\n") and line.count("\n") == 1 for line in lines)
+    for line in lines:
+        fields = consumer.parse_line(line)
+        if fields is None:
+            collector.strays += 1
+        else:
+            collector.add(*fields)
+    assert collector.deliveries == {
+        "a": measure.Delivery(10_000, 1_000, 3),
+        "b\tc": measure.Delivery(10_001, 2_000, 2),
+    }
+    assert (collector.duplicates, collector.strays) == (1, 3)
+    assert collector.done.is_set()
+    # record (headers in) counts the same way
+    direct = measure.Collector({"a", "b\tc"}, awaited=2)
+    for i, headers in enumerate(messages):
+        direct.record(headers, 10_000 + i)
+    assert direct.deliveries == collector.deliveries
+    assert (direct.duplicates, direct.strays) == (1, 3)
 
 
 def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: Path) -> None:
