@@ -110,3 +110,22 @@ def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: P
     assert "| hopsched-quorum |" in result.stdout
     for name in ("lateness_cdf.png", "lateness_vs_delay.png", "hops_vs_delay.png"):
         assert (plots / name).stat().st_size > 0
+
+
+def test_throughput_summary_shows_both_relay_phases_and_the_ratios() -> None:
+    report = _bench("bench_report")
+    relay = {"hops_per_s": 600.0, "relay_cpu_s": 15.0, "relay_peak_rss_mb": 40.0}
+    text = report.throughput_summary(
+        {
+            "raw_loop": {"messages": 20_000, "msgs_per_s": 800.0},
+            "relay": relay,
+            "relay_x2": {**relay, "hops_per_s": 900.0, "relay_cpu_s": 24.0},
+            "relay_to_raw_ratio": 0.75,
+            "scale_out_ratio": 1.5,
+            "cpu_count": 2,
+            "max_rate_p99_within_10ms": None,
+        }
+    )
+    assert "| relay, 1 process | 600 | 15.00 | 40.0 |" in text
+    assert "| relay, 2 processes | 900 | 24.00 | 40.0 |" in text
+    assert "2 relays / 1: 1.50 on 2 CPUs" in text
