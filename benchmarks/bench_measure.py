@@ -27,6 +27,8 @@ __all__ = [
     "ProcessSampler",
     "broker_memory",
     "delivery_fields",
+    "hop_bound",
+    "hops_by_decade",
     "now_us",
     "queue_depths",
     "summarize",
@@ -151,6 +153,54 @@ def summarize(deliveries: list[Delivery]) -> dict[str, Any]:
         "mean_hops": sum(hops) / len(hops) if hops else 0.0,
         "max_hops": max(hops, default=0),
     }
+
+
+def hop_bound(delay_us: int, hold_window_ms: int) -> int:
+    """The hops a delay should take at most: ceil(log2(delay / hold window)) + 2, and 2 for
+    a delay at or below the hold window (which needs no hop). Exact integer arithmetic; a
+    hold window below 1 ms counts as 1 ms."""
+    window_us = max(hold_window_ms, 1) * 1000
+    doublings = 0
+    while window_us << doublings < delay_us:
+        doublings += 1
+    return doublings + 2
+
+
+_FIRST_DECADE_US = 10_000  # decades of requested delay start at 10 ms; below: one row
+
+
+def _duration_label(us: int) -> str:
+    return f"{us // 1000} ms" if us < 1_000_000 else f"{us // 1_000_000} s"
+
+
+def hops_by_decade(points: list[tuple[int, Delivery]], hold_window_ms: int) -> list[dict[str, Any]]:
+    """Hops per decade of requested delay ([10 ms, 100 ms), [100 ms, 1 s), ...; delays
+    below 10 ms in one row [0 ms, 10 ms)), for the decades that have deliveries: n, mean
+    and max hops, ``bound`` = ``hop_bound`` of the decade's upper end, and ``over_bound``
+    = messages with more hops than ``hop_bound`` of their own delay."""
+    by_decade: dict[int, list[tuple[int, int]]] = {}
+    for delay_us, delivery in points:
+        decade, lower = -1, _FIRST_DECADE_US
+        while delay_us >= lower:
+            decade, lower = decade + 1, lower * 10
+        by_decade.setdefault(decade, []).append((delay_us, delivery.hops))
+    rows = []
+    for decade in sorted(by_decade):
+        members = by_decade[decade]
+        upper_us = _FIRST_DECADE_US * 10 ** (decade + 1)
+        lower_us = 0 if decade < 0 else upper_us // 10
+        hops = [h for _, h in members]
+        rows.append(
+            {
+                "decade": f"[{_duration_label(lower_us)}, {_duration_label(upper_us)})",
+                "n": len(members),
+                "mean_hops": round(sum(hops) / len(hops), 2),
+                "max_hops": max(hops),
+                "bound": hop_bound(upper_us, hold_window_ms),
+                "over_bound": sum(1 for d, h in members if h > hop_bound(d, hold_window_ms)),
+            }
+        )
+    return rows
 
 
 def _vm_hwm_bytes(pid: int) -> int:

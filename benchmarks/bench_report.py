@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_measure import Delivery
 
-__all__ = ["markdown_table", "plot", "throughput_summary"]
+__all__ = ["decade_table", "markdown_table", "plot", "throughput_summary"]
 
 _COLUMNS = [
     ("strategy", "strategy"),
@@ -61,6 +61,30 @@ def markdown_table(strategies: dict[str, dict[str, Any]]) -> str:
             continue
         cells = [name] + [_cell(row.get(key)) for key, _ in _COLUMNS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def decade_table(strategies: dict[str, dict[str, Any]]) -> str:
+    """Hops per decade of requested delay, one row per hopsched strategy and decade with
+    deliveries; "" when no strategy has them (only hopsched's runs do)."""
+    rows = [(name, row) for name, row in strategies.items() if row.get("hops_by_decade")]
+    if not rows:
+        return ""
+    windows = sorted({row["hold_window_ms"] for _, row in rows})
+    lines = [
+        f"hops per delay decade (hold window {' / '.join(map(str, windows))} ms; bound = "
+        "⌈log2(decade's upper end / hold window)⌉ + 2, at least 2; over bound = messages "
+        "with more hops than ⌈log2(own delay / hold window)⌉ + 2, at least 2)",
+        "",
+        "| strategy | decade | n | mean hops | max hops | bound | over bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows:
+        for d in row["hops_by_decade"]:
+            lines.append(
+                f"| {name} | {d['decade']} | {d['n']} | {d['mean_hops']:.2f} | "
+                f"{d['max_hops']} | {d['bound']} | {d['over_bound']} |"
+            )
     return "\n".join(lines)
 
 

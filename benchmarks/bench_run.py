@@ -19,11 +19,12 @@ from bench_measure import (
     Delivery,
     Pipeline,
     ProcessSampler,
+    hops_by_decade,
     now_us,
     queue_depths,
     summarize,
 )
-from bench_strategies import Strategy
+from bench_strategies import Hopsched, Strategy
 from bench_workload import LONG_DELAY_US, Workload
 
 from hopsched.stats import LatenessStats
@@ -328,4 +329,7 @@ async def run_workload(
         summary["schedule_failure_examples"] = failures[:5]
     by_id = dict(zip(ids, delays, strict=True))
     points = [(by_id[i], d) for i, d in collector.deliveries.items()]
+    if isinstance(strategy, Hopsched):  # the others' hops count x-death, not a ladder
+        summary["hold_window_ms"] = strategy.settings.hold_window_ms
+        summary["hops_by_decade"] = hops_by_decade(points, strategy.settings.hold_window_ms)
     return Run(summary, points)
