@@ -28,7 +28,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
 
-from bench_report import markdown_table, plot
+from bench_report import decade_table, markdown_table, plot, throughput_summary
 from bench_run import Progress, Run, Session, run_workload
 from bench_scenarios import run_backlog, run_throughput
 from bench_strategies import STRATEGIES, make_strategy
@@ -235,6 +235,10 @@ def main(**options: Any) -> None:
         sys.exit(130)
     runs: dict[str, Run] = result.pop("_runs")
     table = markdown_table(result["strategies"])
+    if "throughput" in result:
+        table += "\n\n" + throughput_summary(result["throughput"])
+    if decades := decade_table(result["strategies"]):
+        table += "\n\n" + decades
     header = (
         f"{result['scenario']}: {result.get('workload', {}).get('delays', '')} · broker "
         f"{result['broker']['product']} {result['broker']['version']} · "

@@ -26,6 +26,9 @@ __all__ = [
     "Pipeline",
     "ProcessSampler",
     "broker_memory",
+    "delivery_fields",
+    "hop_bound",
+    "hops_by_decade",
     "now_us",
     "queue_depths",
     "summarize",
@@ -91,6 +94,17 @@ def _hops(headers: Mapping[str, Any]) -> int:
     return sum(int(death.get("count", 1)) for death in deaths if isinstance(death, Mapping))
 
 
+def delivery_fields(headers: Mapping[str, Any] | None) -> tuple[str, int, int] | None:
+    """(schedule id, due µs, hops) from a delivered message's headers: hopsched's own, or
+    the benchmark's ``x-bench-*`` ones; None for a stray (no id or no integer due time)."""
+    headers = headers or {}
+    schedule_id = headers.get(HEADER_ID, headers.get(BENCH_ID))
+    due_us = headers.get(HEADER_DUE, headers.get(BENCH_DUE))
+    if not isinstance(schedule_id, str) or not isinstance(due_us, int):
+        return None
+    return schedule_id, due_us, _hops(headers)
+
+
 @dataclass
 class Collector:
     """Deliveries of one workload, by schedule id; duplicates and strays counted."""
@@ -102,21 +116,23 @@ class Collector:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     awaited: int = 0  # how many deliveries end the wait (the long F01 ones are not awaited)
 
-    def record(self, headers: Mapping[str, Any] | None, received_us: int) -> None:
-        headers = headers or {}
-        schedule_id = headers.get(HEADER_ID, headers.get(BENCH_ID))
-        due_us = headers.get(HEADER_DUE, headers.get(BENCH_DUE))
-        if not isinstance(schedule_id, str) or not isinstance(due_us, int):
-            self.strays += 1
-            return
+    def add(self, schedule_id: str, due_us: int, hops: int, received_us: int) -> None:
+        """One delivery, its fields already read (``delivery_fields``)."""
         if schedule_id not in self.expected:
             self.strays += 1
         elif schedule_id in self.deliveries:
             self.duplicates += 1
         else:
-            self.deliveries[schedule_id] = Delivery(received_us, due_us, _hops(headers))
+            self.deliveries[schedule_id] = Delivery(received_us, due_us, hops)
             if len(self.deliveries) >= self.awaited:
                 self.done.set()
+
+    def record(self, headers: Mapping[str, Any] | None, received_us: int) -> None:
+        fields = delivery_fields(headers)
+        if fields is None:
+            self.strays += 1
+        else:
+            self.add(*fields, received_us)
 
 
 def summarize(deliveries: list[Delivery]) -> dict[str, Any]:
@@ -137,6 +153,54 @@ def summarize(deliveries: list[Delivery]) -> dict[str, Any]:
         "mean_hops": sum(hops) / len(hops) if hops else 0.0,
         "max_hops": max(hops, default=0),
     }
+
+
+def hop_bound(delay_us: int, hold_window_ms: int) -> int:
+    """The hops a delay should take at most: ceil(log2(delay / hold window)) + 2, and 2 for
+    a delay at or below the hold window (which needs no hop). Exact integer arithmetic; a
+    hold window below 1 ms counts as 1 ms."""
+    window_us = max(hold_window_ms, 1) * 1000
+    doublings = 0
+    while window_us << doublings < delay_us:
+        doublings += 1
+    return doublings + 2
+
+
+_FIRST_DECADE_US = 10_000  # decades of requested delay start at 10 ms; below: one row
+
+
+def _duration_label(us: int) -> str:
+    return f"{us // 1000} ms" if us < 1_000_000 else f"{us // 1_000_000} s"
+
+
+def hops_by_decade(points: list[tuple[int, Delivery]], hold_window_ms: int) -> list[dict[str, Any]]:
+    """Hops per decade of requested delay ([10 ms, 100 ms), [100 ms, 1 s), ...; delays
+    below 10 ms in one row [0 ms, 10 ms)), for the decades that have deliveries: n, mean
+    and max hops, ``bound`` = ``hop_bound`` of the decade's upper end, and ``over_bound``
+    = messages with more hops than ``hop_bound`` of their own delay."""
+    by_decade: dict[int, list[tuple[int, int]]] = {}
+    for delay_us, delivery in points:
+        decade, lower = -1, _FIRST_DECADE_US
+        while delay_us >= lower:
+            decade, lower = decade + 1, lower * 10
+        by_decade.setdefault(decade, []).append((delay_us, delivery.hops))
+    rows = []
+    for decade in sorted(by_decade):
+        members = by_decade[decade]
+        upper_us = _FIRST_DECADE_US * 10 ** (decade + 1)
+        lower_us = 0 if decade < 0 else upper_us // 10
+        hops = [h for _, h in members]
+        rows.append(
+            {
+                "decade": f"[{_duration_label(lower_us)}, {_duration_label(upper_us)})",
+                "n": len(members),
+                "mean_hops": round(sum(hops) / len(hops), 2),
+                "max_hops": max(hops),
+                "bound": hop_bound(upper_us, hold_window_ms),
+                "over_bound": sum(1 for d, h in members if h > hop_bound(d, hold_window_ms)),
+            }
+        )
+    return rows
 
 
 def _vm_hwm_bytes(pid: int) -> int:

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_measure import Delivery
 
-__all__ = ["markdown_table", "plot"]
+__all__ = ["decade_table", "markdown_table", "plot", "throughput_summary"]
 
 _COLUMNS = [
     ("strategy", "strategy"),
@@ -61,6 +61,55 @@ def markdown_table(strategies: dict[str, dict[str, Any]]) -> str:
             continue
         cells = [name] + [_cell(row.get(key)) for key, _ in _COLUMNS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def decade_table(strategies: dict[str, dict[str, Any]]) -> str:
+    """Hops per decade of requested delay, one row per hopsched strategy and decade with
+    deliveries; "" when no strategy has them (only hopsched's runs do)."""
+    rows = [(name, row) for name, row in strategies.items() if row.get("hops_by_decade")]
+    if not rows:
+        return ""
+    windows = sorted({row["hold_window_ms"] for _, row in rows})
+    lines = [
+        f"hops per delay decade (hold window {' / '.join(map(str, windows))} ms; bound = "
+        "⌈log2(decade's upper end / hold window)⌉ + 2, at least 2; over bound = messages "
+        "with more hops than ⌈log2(own delay / hold window)⌉ + 2, at least 2)",
+        "",
+        "| strategy | decade | n | mean hops | max hops | bound | over bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows:
+        for d in row["hops_by_decade"]:
+            lines.append(
+                f"| {name} | {d['decade']} | {d['n']} | {d['mean_hops']:.2f} | "
+                f"{d['max_hops']} | {d['bound']} | {d['over_bound']} |"
+            )
+    return "\n".join(lines)
+
+
+def throughput_summary(throughput: dict[str, Any]) -> str:
+    """The throughput scenario's bulk phases: the raw aio-pika loop, one relay process and
+    two (scale-out), with the ratios and the machine's CPU count."""
+    raw, one, two = throughput["raw_loop"], throughput["relay"], throughput["relay_x2"]
+    best = throughput.get("max_rate_p99_within_10ms")
+    lines = [
+        f"| bulk phase ({raw['messages']:,} messages) | msgs or hops/s | CPU s "
+        "| peak RSS MB (per process) |",
+        "|---|---|---|---|",
+        f"| raw aio-pika loop | {raw['msgs_per_s']:,.0f} | - | - |",
+    ]
+    for row, what in ((one, "relay, 1 process"), (two, "relay, 2 processes")):
+        lines.append(
+            f"| {what} | {row['hops_per_s']:,.0f} | {row['relay_cpu_s']:.2f} | "
+            f"{row['relay_peak_rss_mb']:.1f} |"
+        )
+    lines += [
+        "",
+        f"relay (1 process) / raw loop: {throughput['relay_to_raw_ratio']:.2f} · scale-out, "
+        f"2 relays / 1: {throughput['scale_out_ratio']:.2f} on {throughput['cpu_count']} CPUs · "
+        f"highest schedule rate with p99 ≤ 10 ms: {f'{best}/s' if best else 'none'}",
+    ]
     return "\n".join(lines)
 
 

@@ -6,22 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
-import aio_pika
+from bench_consumer import READY, parse_line
 from bench_measure import (
     Collector,
     Delivery,
     Pipeline,
     ProcessSampler,
+    hops_by_decade,
     now_us,
     queue_depths,
     summarize,
 )
-from bench_strategies import Strategy
+from bench_strategies import Hopsched, Strategy
 from bench_workload import LONG_DELAY_US, Workload
 
 from hopsched.stats import LatenessStats
@@ -30,6 +33,9 @@ __all__ = ["Progress", "Run", "Session", "run_workload"]
 
 MAX_IN_FLIGHT = 500  # schedule calls awaiting their confirm at once
 _MB = 1024 * 1024
+_CONSUMER_SCRIPT = Path(__file__).resolve().parent / "bench_consumer.py"
+_CONSUMER_READY_TIMEOUT_S = 30.0
+_CONSUMER_STOP_TIMEOUT_S = 10.0  # after SIGTERM, then SIGKILL
 
 
 class Progress:
@@ -47,8 +53,9 @@ class Progress:
 
 
 class LoopLag:
-    """How late this process's event loop wakes up (a 10 ms timer's overshoot): the
-    consumer's timestamps share this loop, so a busy loop inflates measured lateness."""
+    """How late the load generator's event loop wakes up (a 10 ms timer's overshoot): how
+    busy pacing and publishing kept it. Lateness is timestamped elsewhere, in the consumer
+    process (``bench_consumer.py``), so this no longer adds to it directly."""
 
     def __init__(self, tick_s: float = 0.01) -> None:
         self._tick_s = tick_s
@@ -77,28 +84,25 @@ class LoopLag:
 
 
 class Session:
-    """A strategy opened on the broker, a consumer on its target queue, and a sampler of
-    its process; ``async with`` deletes everything it declared on the way out."""
+    """A strategy opened on the broker, a consumer process (``bench_consumer.py``) on its
+    target queue whose lines feed ``self.collector``, and a sampler of the strategy's
+    process; ``async with`` stops the consumer and deletes everything it declared on the
+    way out (also on an error, Ctrl-C or SIGTERM)."""
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
-        self.collector = Collector(set())
+        self.collector = Collector(set())  # run_workload puts each run's own here
         self.sampler: ProcessSampler | None = None
-        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._consumer: asyncio.subprocess.Process | None = None
+        self._consumer_log: IO[bytes] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._stopping = False
         self.cleanup_problems: list[str] = []
 
     async def __aenter__(self) -> Session:
         try:
             await self.strategy.open()
-            self._connection = await aio_pika.connect(self.strategy.url, name="bench-consumer")
-            channel = await self._connection.channel()
-            queue = await channel.get_queue(self.strategy.target_queue, ensure=False)
-
-            async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-                received_us = now_us()  # first: lateness is measured here
-                self.collector.record(message.headers, received_us)
-
-            await queue.consume(on_message, no_ack=True)
+            await self._start_consumer()
             if self.strategy.process is not None:
                 self.sampler = ProcessSampler(self.strategy.process.pid)
                 self.sampler.start()
@@ -115,14 +119,85 @@ class Session:
     ) -> None:
         await self._close()
 
+    async def _start_consumer(self) -> None:
+        self._consumer_log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _stop_consumer
+        self._consumer = await asyncio.create_subprocess_exec(
+            sys.executable, str(_CONSUMER_SCRIPT), self.strategy.url, self.strategy.target_queue,
+            stdout=asyncio.subprocess.PIPE, stderr=self._consumer_log,
+        )  # fmt: skip
+        assert self._consumer.stdout is not None
+        line = b""
+        with contextlib.suppress(TimeoutError):
+            line = await asyncio.wait_for(
+                self._consumer.stdout.readline(), _CONSUMER_READY_TIMEOUT_S
+            )
+        if line != READY:
+            raise RuntimeError(
+                f"bench_consumer.py did not start consuming {self.strategy.target_queue} "
+                f"(said {line!r}):\n{self._consumer_stderr()}"
+            )
+        self._reader = asyncio.create_task(self._read(self._consumer.stdout))
+
+    async def _read(self, stdout: asyncio.StreamReader) -> None:
+        """Every line of the consumer into the current collector (run_workload swaps it)."""
+        async for line in stdout:
+            try:
+                fields = parse_line(line.decode(errors="replace"))
+            except ValueError:  # not a line bench_consumer.py writes: count it, keep reading
+                fields = None
+            if fields is None:
+                self.collector.strays += 1
+            else:
+                self.collector.add(*fields)
+
+    def _consumer_stderr(self, tail: int = 4000) -> str:
+        if self._consumer_log is None:
+            return ""
+        self._consumer_log.seek(0)
+        return self._consumer_log.read().decode(errors="replace")[-tail:]
+
+    def check_consumer(self) -> None:
+        """Raise if the consumer process has ended while the session runs: nothing would
+        be measured any more."""
+        process = self._consumer
+        if not self._stopping and process is not None and process.returncode is not None:
+            raise RuntimeError(
+                f"bench_consumer.py exited with status {process.returncode}:\n"
+                f"{self._consumer_stderr()}"
+            )
+
+    async def _stop_consumer(self) -> None:
+        """SIGTERM the consumer, SIGKILL it after a timeout; read its last lines."""
+        self._stopping = True
+        process = self._consumer
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), _CONSUMER_STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        if self._reader is not None:  # the pipe has ended: the reader finishes at once
+            done, _ = await asyncio.wait({self._reader}, timeout=5)
+            if not done:
+                self._reader.cancel()
+                self.cleanup_problems.append("consumer reader: still reading 5 s after exit")
+            elif not self._reader.cancelled() and self._reader.exception() is not None:
+                self.cleanup_problems.append(f"consumer reader: {self._reader.exception()!r}")
+        if self._consumer_log is not None:
+            self._consumer_log.close()
+            self._consumer_log = None
+
     async def _close(self) -> None:
         if self.sampler is not None:
             await self.sampler.stop()
-        if self._connection is not None:
-            with contextlib.suppress(Exception):
-                await self._connection.close()
-            self._connection = None
-        self.cleanup_problems = await asyncio.shield(self.strategy.close())
+        try:
+            await self._stop_consumer()
+        finally:
+            problems = await asyncio.shield(self.strategy.close())
+            self.cleanup_problems = [*self.cleanup_problems, *problems]
 
     def process_stats(self) -> dict[str, Any]:
         if self.sampler is None:
@@ -202,10 +277,12 @@ async def run_workload(
     scheduled_by_us = now_us()
     deadline = loop.time() + max_short_s + grace_s
     while not collector.done.is_set() and loop.time() < deadline:
+        session.check_consumer()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(collector.done.wait(), 1.0)
         report()
     await asyncio.sleep(0.2)  # a duplicate right behind the last delivery is still counted
+    session.check_consumer()
     lag.stop()
     report(force=True)
     delivered = list(collector.deliveries.values())
@@ -252,4 +329,7 @@ async def run_workload(
         summary["schedule_failure_examples"] = failures[:5]
     by_id = dict(zip(ids, delays, strict=True))
     points = [(by_id[i], d) for i, d in collector.deliveries.items()]
+    if isinstance(strategy, Hopsched):  # the others' hops count x-death, not a ladder
+        summary["hold_window_ms"] = strategy.settings.hold_window_ms
+        summary["hops_by_decade"] = hops_by_decade(points, strategy.settings.hold_window_ms)
     return Run(summary, points)

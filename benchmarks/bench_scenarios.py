@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sys
 import time
 import uuid
@@ -118,19 +120,36 @@ async def _passive_counts(
         return result.message_count or 0, result.consumer_count or 0
 
 
+async def _stop(process: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
+    """SIGTERM ``process`` and wait; SIGKILL it after ``timeout_s``."""
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
 async def _relay_hops(
-    url: str, prefix: str, prefetch: int, count: int, progress: Progress
+    url: str, prefix: str, prefetch: int, count: int, progress: Progress, relays: int = 1
 ) -> dict[str, Any]:
-    """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start the relay process,
-    and time it until every one sits in the step queue it hops to (exactly one hop each)."""
+    """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start ``relays`` relay
+    processes on it (competing consumers of the one relay queue), and time them until
+    every envelope sits in the step queue it hops to (exactly one hop each)."""
     settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch)
     topology = hopsched.Topology.from_settings(settings)
     due_us = now_us() + 3600 * 1_000_000
     step = settings.ladder.plan(now_us=now_us(), due_us=due_us)
     assert isinstance(step, hopsched.Hop)
     step_queue = topology.step_queue(step.step_ms)
+    label = f"relay hops x{relays}"
     connection = await aio_pika.connect(url, name="bench-relay-fill")
-    relay: asyncio.subprocess.Process | None = None
+    processes: list[asyncio.subprocess.Process] = []
+    samplers: list[ProcessSampler] = []
     try:
         await topology.declare(connection)
         channel = await connection.channel(publisher_confirms=True)
@@ -143,44 +162,56 @@ async def _relay_hops(
                 b"x" * 64, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             )
 
-        await _fill(channel, topology.relay_queue, count, envelope, progress, "relay fill")
-        relay = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hopsched", "relay",
-            "--url", url, "--prefix", prefix, "--prefetch", str(prefetch),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        sampler = ProcessSampler(relay.pid, interval_s=0.2)
-        sampler.start()
+        await _fill(channel, topology.relay_queue, count, envelope, progress, label)
+        for _ in range(relays):
+            relay = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hopsched", "relay",
+                "--url", url, "--prefix", prefix, "--prefetch", str(prefetch),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            processes.append(relay)
+            samplers.append(ProcessSampler(relay.pid, interval_s=0.2))
+            samplers[-1].start()
         started = None
+        all_consuming = None
         while True:
             ready, consumers = await _passive_counts(connection, topology.relay_queue)
             if started is None and (consumers or ready < count):
                 started = time.monotonic()
+            if all_consuming is None and consumers >= relays:
+                all_consuming = time.monotonic()
             hopped, _ = await _passive_counts(connection, step_queue)
             if hopped >= count:
                 break
-            if relay.returncode is not None:
-                raise RuntimeError("the relay exited during the throughput run")
-            progress.say(f"[relay hops] {hopped}/{count} in {step_queue}")
+            if any(relay.returncode is not None for relay in processes):
+                raise RuntimeError("a relay exited during the throughput run")
+            progress.say(f"[{label}] {hopped}/{count} in {step_queue}")
             await asyncio.sleep(0.02)
         assert started is not None
         elapsed = time.monotonic() - started
-        await sampler.stop()
+        for sampler in samplers:
+            await sampler.stop()
         return {
+            "relays": relays,
             "messages": count,
             "hops_per_s": round(count / elapsed, 1),
             "seconds": round(elapsed, 2),
+            "all_consuming_after_s": (
+                None if all_consuming is None else round(all_consuming - started, 2)
+            ),
             "prefetch": prefetch,
             "step_ms": step.step_ms,
-            "relay_cpu_s": round(sampler.cpu_s, 2),
-            "relay_peak_rss_mb": round(sampler.peak_rss / _MB, 1),
-            "timing": "from the relay's consumer appearing (or the relay queue first "
-            "shrinking) to the step queue holding every message, polled every ~20 ms",
+            "relay_cpu_s": round(sum(sampler.cpu_s for sampler in samplers), 2),
+            "relay_cpu_s_each": [round(sampler.cpu_s, 2) for sampler in samplers],
+            "relay_peak_rss_mb": round(max(sampler.peak_rss for sampler in samplers) / _MB, 1),
+            "timing": "from the first relay's consumer appearing (or the relay queue first "
+            "shrinking) to the step queue holding every message, polled every ~20 ms; "
+            "relay_cpu_s is the sum over the relay processes, relay_peak_rss_mb the largest",
         }
     finally:
-        if relay is not None and relay.returncode is None:
-            relay.terminate()
-            await relay.wait()
+        for sampler in samplers:
+            await sampler.stop()
+        await asyncio.gather(*(_stop(relay) for relay in processes))
         async with connection.channel() as channel:
             for name in topology.queues():
                 await channel.queue_delete(name)
@@ -192,7 +223,8 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
     """(c) the schedule rate stepped up against hopsched-quorum until p99 lateness exceeds
     10 ms (or messages are lost, or the rate cannot be kept) at two rates in a row, the
     highest rate that met it reported; then (a) a raw aio-pika consume ->
-    publish-with-confirm -> ack loop and (b) the relay's hops/s on the same broker."""
+    publish-with-confirm -> ack loop and (b) the relay's hops/s on the same broker, with
+    one relay process and then with two on a fresh prefix (scale-out)."""
     progress = Progress()
     steps: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
@@ -230,11 +262,19 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
     raw = await _raw_loop(url, prefix, prefetch, THROUGHPUT_MESSAGES, progress)
     progress.say(f"[raw loop] {raw['msgs_per_s']} msgs/s", force=True)
     relay = await _relay_hops(url, f"{prefix}-relay", prefetch, THROUGHPUT_MESSAGES, progress)
-    progress.say(f"[relay hops] {relay['hops_per_s']} hops/s", force=True)
+    progress.say(f"[relay hops x1] {relay['hops_per_s']} hops/s", force=True)
+    # Scale-out: two relays on a fresh prefix, competing for the same relay queue.
+    relay_x2 = await _relay_hops(
+        url, f"{prefix}-relay-x2", prefetch, THROUGHPUT_MESSAGES, progress, relays=2
+    )
+    progress.say(f"[relay hops x2] {relay_x2['hops_per_s']} hops/s", force=True)
     return {
         "raw_loop": raw,
         "relay": relay,
+        "relay_x2": relay_x2,
         "relay_to_raw_ratio": round(relay["hops_per_s"] / raw["msgs_per_s"], 3),
+        "scale_out_ratio": round(relay_x2["hops_per_s"] / relay["hops_per_s"], 3),
+        "cpu_count": os.cpu_count(),
         "rate_steps": list(steps),
         "step_delays": STEP_DELAYS,
         "step_seconds": STEP_SECONDS,

@@ -6,12 +6,17 @@ and writes the JSON fields and plots that ``benchmarks/README.md`` documents.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy.py"
+from hopsched.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPT = BENCHMARKS / "accuracy.py"
 FIELDS = (
     "scheduled",
     "delivered",
@@ -29,6 +34,50 @@ FIELDS = (
     "process_cpu_s",
     "process_peak_rss_mb",
 )
+
+
+def _bench(name: str) -> ModuleType:
+    """A ``benchmarks/bench_*`` module (they import each other by bare name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def test_consumer_lines_carry_what_the_collector_records() -> None:
+    consumer, measure = _bench("bench_consumer"), _bench("bench_measure")
+    collector = measure.Collector({"a", "b\tc"}, awaited=2)
+    messages = [
+        {HEADER_ID: "a", HEADER_DUE: 1_000, HEADER_HOPS: 3},
+        {measure.BENCH_ID: "b\tc", measure.BENCH_DUE: 2_000, "x-death": [{"count": 2}]},
+        {HEADER_ID: "a", HEADER_DUE: 1_000, HEADER_HOPS: 3},  # duplicate
+        {measure.BENCH_ID: "zz", measure.BENCH_DUE: 5},  # unknown id
+        {},  # no id, no due time
+        {HEADER_ID: "a\nb", HEADER_DUE: 1},  # would break the line
+    ]
+    lines = [
+        consumer.format_line(measure.delivery_fields(headers), 10_000 + i)
+        for i, headers in enumerate(messages)
+    ]
+    assert lines[4] == lines[5] == consumer.STRAY
+    assert all(line.endswith("\n") and line.count("\n") == 1 for line in lines)
+    for line in lines:
+        fields = consumer.parse_line(line)
+        if fields is None:
+            collector.strays += 1
+        else:
+            collector.add(*fields)
+    assert collector.deliveries == {
+        "a": measure.Delivery(10_000, 1_000, 3),
+        "b\tc": measure.Delivery(10_001, 2_000, 2),
+    }
+    assert (collector.duplicates, collector.strays) == (1, 3)
+    assert collector.done.is_set()
+    # record (headers in) counts the same way
+    direct = measure.Collector({"a", "b\tc"}, awaited=2)
+    for i, headers in enumerate(messages):
+        direct.record(headers, 10_000 + i)
+    assert direct.deliveries == collector.deliveries
+    assert (direct.duplicates, direct.strays) == (1, 3)
 
 
 def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: Path) -> None:
@@ -56,8 +105,72 @@ def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: P
         assert row["lost"] == 0
         assert row["early"] == 0
     assert strategies["hopsched-quorum"]["process_peak_rss_mb"] > 0
+    decades = strategies["hopsched-quorum"]["hops_by_decade"]
+    assert sum(row["n"] for row in decades) == 20
+    assert "hops_by_decade" not in strategies["per-message-ttl"]
+    assert "| hopsched-quorum | [" in result.stdout  # the hops per delay decade table
     # Available or not, the plugin strategy is reported, never an error.
     assert "delayed-exchange" in strategies
     assert "| hopsched-quorum |" in result.stdout
     for name in ("lateness_cdf.png", "lateness_vs_delay.png", "hops_vs_delay.png"):
         assert (plots / name).stat().st_size > 0
+
+
+def test_throughput_summary_shows_both_relay_phases_and_the_ratios() -> None:
+    report = _bench("bench_report")
+    relay = {"hops_per_s": 600.0, "relay_cpu_s": 15.0, "relay_peak_rss_mb": 40.0}
+    text = report.throughput_summary(
+        {
+            "raw_loop": {"messages": 20_000, "msgs_per_s": 800.0},
+            "relay": relay,
+            "relay_x2": {**relay, "hops_per_s": 900.0, "relay_cpu_s": 24.0},
+            "relay_to_raw_ratio": 0.75,
+            "scale_out_ratio": 1.5,
+            "cpu_count": 2,
+            "max_rate_p99_within_10ms": None,
+        }
+    )
+    assert "| relay, 1 process | 600 | 15.00 | 40.0 |" in text
+    assert "| relay, 2 processes | 900 | 24.00 | 40.0 |" in text
+    assert "2 relays / 1: 1.50 on 2 CPUs" in text
+
+
+def test_hops_by_decade_bounds_and_table() -> None:
+    measure, report = _bench("bench_measure"), _bench("bench_report")
+    # at or below the window: 2; just above: ceil(log2 1.000001) + 2; ceil(log2 10) + 2
+    bounds = {0: 2, 1_000_000: 2, 1_000_001: 3, 2_000_000: 3, 10_000_000: 6}
+    assert {d: measure.hop_bound(d, 1000) for d in bounds} == bounds
+    assert measure.hop_bound(1000, 0) == 2  # a zero window counts as 1 ms
+
+    def point(delay_us: int, hops: int) -> tuple[int, object]:
+        return delay_us, measure.Delivery(received_us=delay_us, due_us=delay_us, hops=hops)
+
+    points = [
+        point(5_000, 0),  # below 10 ms
+        point(20_000, 0),
+        point(50_000, 3),  # over its own bound of 2
+        point(1_000_000, 3),  # exactly the window: own bound 2, so over
+        point(1_500_000, 2),  # own bound ceil(log2 1.5) + 2 = 3
+        point(2_000_000, 3),  # own bound 3
+        point(86_400_000_000, 20),  # own bound ceil(log2 86,400) + 2 = 19
+    ]
+    rows = measure.hops_by_decade(points, 1000)
+    assert rows == [
+        {"decade": "[0 ms, 10 ms)", "n": 1, "mean_hops": 0.0, "max_hops": 0, "bound": 2,
+         "over_bound": 0},
+        {"decade": "[10 ms, 100 ms)", "n": 2, "mean_hops": 1.5, "max_hops": 3, "bound": 2,
+         "over_bound": 1},
+        {"decade": "[1 s, 10 s)", "n": 3, "mean_hops": 2.67, "max_hops": 3, "bound": 6,
+         "over_bound": 1},
+        {"decade": "[10000 s, 100000 s)", "n": 1, "mean_hops": 20.0, "max_hops": 20,
+         "bound": 19, "over_bound": 1},
+    ]  # fmt: skip
+    table = report.decade_table(
+        {
+            "hopsched-quorum": {"hold_window_ms": 1000, "hops_by_decade": rows},
+            "per-message-ttl": {"mean_hops": 1.0},  # not a ladder: left out
+        }
+    )
+    assert "| hopsched-quorum | [1 s, 10 s) | 3 | 2.67 | 3 | 6 | 1 |" in table
+    assert "per-message-ttl" not in table
+    assert report.decade_table({"per-message-ttl": {"mean_hops": 1.0}}) == ""

@@ -1,0 +1,86 @@
+"""The consumer of a strategy's target queue, in a process of its own: its receive
+instants do not wait behind the load generator's event loop (pacing, publishing,
+confirms). Consumes QUEUE with auto-ack; for each message it takes the receive instant
+first, then queues one line for stdout:
+
+    RECEIVED_US <tab> DUE_US <tab> HOPS <tab> SCHEDULE_ID
+    stray                                   (no id or no due time in the headers)
+
+Lines are written every ~20 ms, not one write per message. Prints ``ready`` once it
+consumes; stops on SIGTERM or when its parent process is gone. It ignores SIGINT: a
+Ctrl-C at the terminal reaches the whole process group, and the benchmark's cleanup
+stops it (SIGTERM) after reading its last lines.
+
+Usage: python bench_consumer.py URL QUEUE
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import aio_pika
+from bench_measure import delivery_fields
+
+__all__ = ["READY", "STRAY", "format_line", "parse_line"]
+
+READY = b"ready\n"
+STRAY = "stray\n"
+FLUSH_S = 0.02
+
+
+def format_line(fields: tuple[str, int, int] | None, received_us: int) -> str:
+    """One output line: the fields of ``bench_measure.delivery_fields`` (None: a stray)."""
+    if fields is None or "\n" in fields[0]:  # an id that would break the line is no bench id
+        return STRAY
+    schedule_id, due_us, hops = fields
+    return f"{received_us}\t{due_us}\t{hops}\t{schedule_id}\n"
+
+
+def parse_line(line: str) -> tuple[str, int, int, int] | None:
+    """(schedule id, due µs, hops, received µs) from a ``format_line`` line; None for a
+    stray. ValueError for anything else."""
+    if line == STRAY:
+        return None
+    received_us, due_us, hops, schedule_id = line.rstrip("\n").split("\t", 3)
+    return schedule_id, int(due_us), int(hops), int(received_us)
+
+
+async def main(url: str, queue_name: str) -> None:
+    parent = os.getppid()
+    out = sys.stdout.buffer
+    lines: list[str] = []
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
+
+    def flush() -> None:
+        if lines:
+            out.write("".join(lines).encode(errors="replace"))
+            lines.clear()
+            out.flush()
+
+    connection = await aio_pika.connect(url, name="bench-consumer")
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(queue_name, ensure=False)
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received_us = time.time_ns() // 1000  # first: lateness is measured here
+            lines.append(format_line(delivery_fields(message.headers), received_us))
+
+        await queue.consume(on_message, no_ack=True)
+        out.write(READY)
+        out.flush()
+        while not stopping.is_set() and os.getppid() == parent:
+            await asyncio.sleep(FLUSH_S)
+            flush()
+    flush()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # before asyncio.run, which would catch it
+    asyncio.run(main(*sys.argv[1:3]))
