@@ -33,7 +33,7 @@ from hopsched.envelope import (
     parked_headers,
 )
 from hopsched.errors import BrokerUnavailableError, EnvelopeError
-from hopsched.ladder import US_PER_MS, Hop
+from hopsched.ladder import US_PER_MS, Hold, Hop
 from hopsched.overshoot import OvershootTracker
 from hopsched.publisher import ConfirmedPublisher, TargetRefused, Unroutable, with_properties
 from hopsched.settings import Settings
@@ -267,23 +267,8 @@ class Relay:
             await self._park(publisher, delivered, refusal)
             return
         arrived_us = now_us()
-        expired_us = (properties.headers or {}).get(HEADER_HOP_EXPIRES)
-        if isinstance(expired_us, int) and not isinstance(expired_us, bool):
-            self._overshoot.record(arrived_us - expired_us, arrived_us)
-            self.totals.overshoot.record(arrived_us - expired_us)
-            self._last_report.overshoot.record(arrived_us - expired_us)
-        # Holding is free but takes a prefetch slot; past half the prefetch, hop instead so
-        # that new deliveries (some due now) still arrive.
-        crowded = self._held >= self._held_limit
-        margin_ms = self._overshoot.margin_ms(
-            arrived_us, floor_ms=self._ladder.hop_margin_ms, cap_ms=self._ladder.hold_window_ms
-        )
-        action = self._ladder.plan(
-            now_us=arrived_us,
-            due_us=envelope.due_us,
-            hold_window_ms=0 if crowded else None,
-            hop_margin_ms=margin_ms,
-        )
+        self._note_overshoot(properties.headers, arrived_us)
+        action = self._plan(envelope.due_us, arrived_us)
         try:
             if isinstance(action, Hop):
                 await self._hop(publisher, delivered, envelope, action.step_ms)
@@ -298,6 +283,31 @@ class Relay:
             await self._park(publisher, delivered, f"undeliverable: {error}")
         except (TypeError, ValueError) as error:  # a header value pamqp cannot encode
             await self._park(publisher, delivered, f"cannot re-encode the message: {error}")
+
+    def _note_overshoot(self, headers: dict[str, Any] | None, arrived_us: int) -> None:
+        """Record how late a hop came back (``x-hopsched-hop-expires``), if it was one."""
+        expires_us = (headers or {}).get(HEADER_HOP_EXPIRES)
+        if not isinstance(expires_us, int) or isinstance(expires_us, bool):
+            return
+        overshoot_us = arrived_us - expires_us
+        self.totals.overshoot.record(overshoot_us)
+        self._last_report.overshoot.record(overshoot_us)
+        # The margin is capped at the hold window anyway; clamping the sample keeps one
+        # absurd value (a relay down for hours) from pinning it there for minutes.
+        cap_us = self._ladder.hold_window_ms * US_PER_MS
+        self._overshoot.record(min(overshoot_us, cap_us), arrived_us)
+
+    def _plan(self, due_us: int, now: int) -> Hop | Hold:
+        """The ladder's plan, with the learned margin, unless half the prefetch is held."""
+        if self._held >= self._held_limit:
+            # Holding is free but takes a prefetch slot: hop whatever a step fits, with the
+            # configured margin, so slots free up for deliveries due now. (The learned one
+            # grows with the relay's own backlog and would keep them held.)
+            return self._ladder.plan(now_us=now, due_us=due_us, hold_window_ms=0)
+        margin_ms = self._overshoot.margin_ms(
+            now, floor_ms=self._ladder.hop_margin_ms, cap_ms=self._ladder.hold_window_ms
+        )
+        return self._ladder.plan(now_us=now, due_us=due_us, hop_margin_ms=margin_ms)
 
     async def _hop(
         self,

@@ -210,15 +210,16 @@ class Scheduler:
             if properties.delivery_mode == PERSISTENT
             else properties.delivery_mode or 0,
         )
-        hop_expires = {}
+        headers = {**(properties.headers or {}), **envelope.to_headers()}
+        headers.pop(HEADER_HOP_EXPIRES, None)  # the caller's own would skew the relay's margin
         if isinstance(action, Hop):  # lets the relay measure how late the hop comes back
-            hop_expires[HEADER_HOP_EXPIRES] = now + action.step_ms * US_PER_MS
+            headers[HEADER_HOP_EXPIRES] = now + action.step_ms * US_PER_MS
         properties = with_properties(
             properties,
             # Left unset, AMQP clients fill message_id with a random id; the schedule id
             # is as unique and lets consumers de-duplicate on either.
             message_id=properties.message_id or envelope.schedule_id,
-            headers={**(properties.headers or {}), **envelope.to_headers(), **hop_expires},
+            headers=headers,
             expiration=None,
             delivery_mode=PERSISTENT,
         )
