@@ -31,6 +31,7 @@ __all__ = [
     "hops_by_decade",
     "now_us",
     "queue_depths",
+    "stop_process",
     "summarize",
 ]
 
@@ -38,6 +39,20 @@ __all__ = [
 #: so that every consumer reads lateness the same way (receive instant - due, µs).
 BENCH_ID = "x-bench-id"
 BENCH_DUE = "x-bench-due"
+
+
+async def stop_process(process: asyncio.subprocess.Process, timeout_s: float) -> int:
+    """SIGTERM ``process`` and wait; SIGKILL it after ``timeout_s``. Its exit status."""
+    if process.returncode is not None:
+        return process.returncode
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        return await asyncio.wait_for(process.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        return await process.wait()
 
 
 def now_us() -> int:

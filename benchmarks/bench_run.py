@@ -22,6 +22,7 @@ from bench_measure import (
     hops_by_decade,
     now_us,
     queue_depths,
+    stop_process,
     summarize,
 )
 from bench_strategies import Hopsched, Strategy
@@ -170,15 +171,8 @@ class Session:
         """SIGTERM the consumer, SIGKILL it after a timeout; read its last lines."""
         self._stopping = True
         process = self._consumer
-        if process is not None and process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), _CONSUMER_STOP_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        if process is not None:
+            await stop_process(process, _CONSUMER_STOP_TIMEOUT_S)
         if self._reader is not None:  # the pipe has ended: the reader finishes at once
             done, _ = await asyncio.wait({self._reader}, timeout=5)
             if not done:

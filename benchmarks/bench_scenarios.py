@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -12,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
-from bench_measure import Pipeline, ProcessSampler, broker_memory, now_us, queue_depths
+from bench_measure import (
+    Pipeline,
+    ProcessSampler,
+    broker_memory,
+    now_us,
+    queue_depths,
+    stop_process,
+)
 from bench_run import MAX_IN_FLIGHT, Progress, Run, Session, run_workload
 from bench_strategies import Hopsched, make_strategy
 from bench_workload import Workload, parse_delays
@@ -120,20 +126,6 @@ async def _passive_counts(
         return result.message_count or 0, result.consumer_count or 0
 
 
-async def _stop(process: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
-    """SIGTERM ``process`` and wait; SIGKILL it after ``timeout_s``."""
-    if process.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.terminate()
-    try:
-        await asyncio.wait_for(process.wait(), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
-
-
 async def _relay_hops(
     url: str, prefix: str, prefetch: int, count: int, progress: Progress, relays: int = 1
 ) -> dict[str, Any]:
@@ -211,7 +203,7 @@ async def _relay_hops(
     finally:
         for sampler in samplers:
             await sampler.stop()
-        await asyncio.gather(*(_stop(relay) for relay in processes))
+        await asyncio.gather(*(stop_process(relay, 30.0) for relay in processes))
         async with connection.channel() as channel:
             for name in topology.queues():
                 await channel.queue_delete(name)

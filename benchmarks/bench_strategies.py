@@ -14,7 +14,7 @@ from typing import IO, Any, ClassVar
 
 import aio_pika
 import aiormq
-from bench_measure import BENCH_DUE, BENCH_ID, now_us
+from bench_measure import BENCH_DUE, BENCH_ID, now_us, stop_process
 
 import hopsched
 
@@ -118,14 +118,9 @@ class Strategy:
 
     async def stop_process(self) -> int | None:
         """SIGTERM the strategy's process and wait; its exit status."""
-        if self.process is None or self.process.returncode is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.terminate()
-        try:
-            return await asyncio.wait_for(self.process.wait(), 30)
-        except TimeoutError:
-            self.process.kill()
-            return await self.process.wait()
+        if self.process is None:
+            return None
+        return await stop_process(self.process, 30.0)
 
     async def close(self) -> list[str]:
         """Stop the process, delete every queue and exchange declared; what failed."""
