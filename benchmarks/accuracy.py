@@ -16,10 +16,11 @@ import logging
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,22 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
 
-from bench_report import decade_table, markdown_table, plot, throughput_summary
-from bench_run import Progress, Run, Session, run_workload
-from bench_scenarios import run_backlog, run_throughput
+from bench_report import burst_table, decade_table, markdown_table, plot, throughput_summary
+from bench_run import Progress, Run, Session, measure_strategy, run_workload
+from bench_scenarios import (
+    BURST_COUNTS,
+    BURST_LEAD_S,
+    BURST_STRATEGIES,
+    run_backlog,
+    run_bursts,
+    run_throughput,
+)
 from bench_strategies import STRATEGIES, make_strategy
 from bench_workload import Workload, parse_delays
 
+import hopsched
 from hopsched import mask_url
+from hopsched.durations import parse_duration
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quick": {"count": 500, "rate": 100.0, "delays": "loguniform:10ms:5s"},
@@ -47,6 +57,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "strategies": "hopsched-quorum",
     },
     "throughput": {"count": 0, "rate": 0.0, "delays": "loguniform:10ms:5s"},
+    "burst": {
+        "count": 0,
+        "rate": 0.0,
+        "delays": "loguniform:10ms:5s",
+        "strategies": ",".join(BURST_STRATEGIES),
+    },
 }
 DEFAULTS: dict[str, Any] = {
     "count": 500,
@@ -58,6 +74,52 @@ DEFAULTS: dict[str, Any] = {
 
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+#: The hopsched this process imported: the repository's, or --hopsched-path's checkout.
+HOPSCHED_ROOT = Path(hopsched.__file__).resolve().parent.parent
+_REEXEC = "HOPSCHED_BENCH_REEXEC"  # set in the process started again by _use_hopsched
+
+
+def _use_hopsched(path: Path) -> None:
+    """Make this run measure the hopsched in checkout ``path``: unless it is the one
+    imported already, start this command again with ``path`` first on PYTHONPATH, so
+    that this process (the scheduler side) and every process it starts (relays, the
+    consumer, the workers) import hopsched from there."""
+    path = path.resolve()
+    if path == HOPSCHED_ROOT:
+        return
+    if not (path / "hopsched" / "__init__.py").is_file():
+        raise click.BadParameter(f"{path} holds no hopsched/ package", param_hint="--hopsched-path")
+    if os.environ.get(_REEXEC):
+        raise click.ClickException(f"hopsched was imported from {HOPSCHED_ROOT}, not {path}")
+    env = {**os.environ, _REEXEC: "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def _hopsched_version() -> dict[str, Any]:
+    """Which hopsched this run measures: its checkout, commit and whether it has
+    uncommitted changes (None outside git), and the API it offers."""
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(
+                ["git", "-C", str(HOPSCHED_ROOT), *args],
+                capture_output=True, text=True, check=True, timeout=10,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "path": str(HOPSCHED_ROOT),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted_changes": None if status is None else bool(status),
+        "has_schedule_many": hasattr(hopsched.Scheduler, "schedule_many"),
+        "default_prefetch": hopsched.Settings().prefetch,
+    }
 
 
 async def _broker(url: str) -> dict[str, Any]:
@@ -80,22 +142,14 @@ async def run_strategies(
     runs: dict[str, Run] = {}
     progress = Progress()
     for name in names:
+
+        async def measure(session: Session, name: str = name) -> Run:
+            return await run_workload(session, workload, tag=name, progress=progress)
+
         strategy = make_strategy(name, url, run_id, prefetch)
-        reason = await strategy.unavailable()
-        if reason is not None:
-            rows[name] = {"available": False, "reason": reason}
-            progress.say(f"[{name}] {reason}", force=True)
-            continue
-        progress.say(f"[{name}] starting on prefix {strategy.prefix}", force=True)
-        async with Session(strategy) as session:
-            run = await run_workload(session, workload, tag=name, progress=progress)
-        run.summary["available"] = True
-        run.summary["counting"] = strategy.counting
-        if session.cleanup_problems:
-            run.summary["cleanup_problems"] = session.cleanup_problems
-        if strategy.log_warnings:
-            run.summary["process_log_warnings"] = strategy.log_warnings[:20]
-        rows[name], runs[name] = run.summary, run
+        rows[name], run = await measure_strategy(strategy, name, measure, progress)
+        if run is not None:
+            runs[name] = run
     return rows, runs
 
 
@@ -116,6 +170,8 @@ async def _main(options: dict[str, Any]) -> dict[str, Any]:
             "with other work",
         },
         "broker": await _broker(url),
+        "hopsched": _hopsched_version(),
+        "prefetch": options["prefetch"],
     }
     workload = Workload(
         count=options["count"],
@@ -131,6 +187,22 @@ async def _main(options: dict[str, Any]) -> dict[str, Any]:
         result["workload"] = {"delays": f"rate steps, {result['throughput']['step_delays']}"}
         result["strategies"] = result["throughput"].pop("strategies")
         runs = result["throughput"].pop("runs")
+    elif options["scenario"] == "burst":
+        result["burst"] = await run_bursts(
+            url,
+            run_id,
+            options["prefetch"],
+            options["strategies"],
+            options["burst_counts"],
+            options["burst_lead"],
+        )
+        counts = " and ".join(f"{n:,}" for n in options["burst_counts"])
+        result["workload"] = {
+            "delays": f"{counts} messages due at one instant, "
+            f"{options['burst_lead']:g} s after scheduling starts"
+        }
+        result["strategies"] = result["burst"].pop("strategies")
+        runs = result["burst"].pop("runs")
     elif options["scenario"] == "backlog":
         result["workload"] = workload.describe()
         result["backlog"] = await run_backlog(
@@ -166,7 +238,7 @@ def _run_cancellable(coroutine: Any) -> Any:
 @click.option(
     "--scenario",
     type=click.Choice(list(SCENARIOS)),
-    help="Preset: quick, standard, mixed, backlog or throughput (options below override).",
+    help="Preset: quick, standard, mixed, backlog, throughput or burst (options below override).",
 )
 @click.option("--count", type=click.IntRange(1), help="Messages (mixed: short ones).")
 @click.option("--rate", type=click.FloatRange(min=0.1), help="Messages scheduled per second.")
@@ -187,10 +259,28 @@ def _run_cancellable(coroutine: Any) -> Any:
 )
 @click.option(
     "--prefetch",
-    default=1000,
-    show_default=True,
     type=click.IntRange(1, 65535),
-    help="The relay's prefetch (and the raw loop's in the throughput scenario).",
+    help="The relay's prefetch (and the raw loop's in the throughput scenario) "
+    "[default: the measured hopsched's own, Settings().prefetch].",
+)
+@click.option(
+    "--burst-counts",
+    default=",".join(map(str, BURST_COUNTS)),
+    show_default=True,
+    help="Burst scenario: messages due at one instant, one burst per count (comma-separated).",
+)
+@click.option(
+    "--burst-lead",
+    default=f"{BURST_LEAD_S:g}s",
+    show_default=True,
+    help="Burst scenario: the due instant, this long after scheduling starts.",
+)
+@click.option(
+    "--hopsched-path",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Measure the hopsched of this checkout (e.g. an earlier commit's git worktree) "
+    "instead of the repository's: it goes first on PYTHONPATH for this process and every "
+    "process it starts.",
 )
 @click.option(
     "--backlog-count",
@@ -209,8 +299,24 @@ def _run_cancellable(coroutine: Any) -> Any:
 )
 def main(**options: Any) -> None:
     """Measure how late (or early) scheduled messages arrive, per strategy."""
+    if options["hopsched_path"] is not None:
+        _use_hopsched(options["hopsched_path"])
     for noisy in ("aiormq", "aio_pika"):  # the delayed-exchange probe closes a connection
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    if options["prefetch"] is None:
+        options["prefetch"] = hopsched.Settings().prefetch
+    try:
+        options["burst_counts"] = [int(n) for n in options["burst_counts"].split(",")]
+        if min(options["burst_counts"]) < 1:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(
+            "give positive integers, e.g. 2000,10000", param_hint="--burst-counts"
+        ) from None
+    try:
+        options["burst_lead"] = parse_duration(options["burst_lead"]) / timedelta(seconds=1)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--burst-lead") from None
     preset = SCENARIOS.get(options["scenario"] or "", {})
     for key, default in DEFAULTS.items():
         if options.get(key) is None:
@@ -234,14 +340,19 @@ def main(**options: Any) -> None:
         click.echo("interrupted; every queue and exchange declared was deleted", err=True)
         sys.exit(130)
     runs: dict[str, Run] = result.pop("_runs")
-    table = markdown_table(result["strategies"])
+    if "burst" in result:
+        table = burst_table(result["strategies"])
+    else:
+        table = markdown_table(result["strategies"])
     if "throughput" in result:
         table += "\n\n" + throughput_summary(result["throughput"])
     if decades := decade_table(result["strategies"]):
         table += "\n\n" + decades
+    measured = result["hopsched"]
     header = (
-        f"{result['scenario']}: {result.get('workload', {}).get('delays', '')} · broker "
-        f"{result['broker']['product']} {result['broker']['version']} · "
+        f"{result['scenario']}: {result.get('workload', {}).get('delays', '')} · hopsched "
+        f"{measured['commit'] or measured['path']}{'+' if measured['uncommitted_changes'] else ''}"
+        f" · broker {result['broker']['product']} {result['broker']['version']} · "
         f"{result['machine']['cpu_count']} CPUs, load {result['machine']['load_avg_1m_start']}"
         f" → {result['machine']['load_avg_1m_end']}"
     )

@@ -21,6 +21,8 @@ from hopsched.stats import LatenessStats
 __all__ = [
     "BENCH_DUE",
     "BENCH_ID",
+    "MAX_IN_FLIGHT",
+    "CallCpu",
     "Collector",
     "Delivery",
     "Pipeline",
@@ -60,6 +62,9 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+MAX_IN_FLIGHT = 500  # schedule calls awaiting their confirm at once
+
+
 class Pipeline:
     """Runs coroutines as tasks, at most ``limit`` at once: ``submit`` waits for a free
     slot, so publishes with confirms overlap without an unbounded backlog."""
@@ -84,6 +89,36 @@ class Pipeline:
         """Wait for everything submitted (exceptions are the coroutines' to handle)."""
         if self._tasks:
             await asyncio.gather(*self._tasks)
+
+
+class CallCpu:
+    """This process's CPU time while at least one call is in flight (``begin`` before
+    each, ``end`` after), and the calls counted.
+
+    Calls awaiting their confirms overlap, so per-call intervals cannot be summed; the
+    union of them can. It holds what ran in this process meanwhile, the calls and their
+    confirms' processing but also the benchmark's pacing: an upper bound per call.
+    """
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.calls = 0
+        self._active = 0
+        self._since = 0.0
+
+    def begin(self) -> None:
+        if self._active == 0:
+            self._since = time.process_time()
+        self._active += 1
+
+    def end(self, calls: int = 1) -> None:
+        self._active -= 1
+        self.calls += calls
+        if self._active == 0:
+            self.cpu_s += time.process_time() - self._since
+
+    def us_per_call(self) -> float | None:
+        return round(self.cpu_s * 1e6 / self.calls, 1) if self.calls else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_measure import Delivery
 
-__all__ = ["decade_table", "markdown_table", "plot", "throughput_summary"]
+__all__ = ["burst_table", "decade_table", "markdown_table", "plot", "throughput_summary"]
 
 _COLUMNS = [
     ("strategy", "strategy"),
@@ -34,8 +34,28 @@ _COLUMNS = [
     ("broker_publishes_per_msg", "broker pub/msg"),
     ("sustained_schedule_rate_per_s", "sched/s"),
     ("process_cpu_s", "proc CPU s"),
+    ("relay_cpu_us_per_relayed_msg", "relay CPU µs/msg"),
+    ("scheduler_cpu_us_per_msg", "sched CPU µs/msg"),
     ("process_peak_rss_mb", "proc peak RSS MB"),
     ("bench_loop_lag_p99_ms", "bench lag p99 ms"),
+]
+_BURST_COLUMNS = [
+    ("strategy", "strategy"),
+    ("scheduled", "sched"),
+    ("delivered", "deliv"),
+    ("lost", "lost"),
+    ("early", "early"),
+    ("duplicates", "dup"),
+    ("min_ms", "first ms"),
+    ("p50_ms", "p50 ms"),
+    ("p99_ms", "p99 ms"),
+    ("max_ms", "last (max) ms"),
+    ("first_to_last_delivery_s", "first → last s"),
+    ("mean_hops", "hops mean"),
+    ("schedule_s", "scheduling s"),
+    ("relay_cpu_us_per_relayed_msg", "relay CPU µs/msg"),
+    ("scheduler_cpu_us_per_msg", "sched CPU µs/msg"),
+    ("process_peak_rss_mb", "proc peak RSS MB"),
 ]
 
 
@@ -47,21 +67,32 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def markdown_table(strategies: dict[str, dict[str, Any]]) -> str:
+def markdown_table(
+    strategies: dict[str, dict[str, Any]], columns: list[tuple[str, str]] = _COLUMNS
+) -> str:
     """One row per strategy; an unavailable one says why."""
     lines = [
-        "| " + " | ".join(title for _, title in _COLUMNS) + " |",
-        "|" + "|".join("---" for _ in _COLUMNS) + "|",
+        "| " + " | ".join(title for _, title in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
     ]
     for name, row in strategies.items():
         if not row.get("available", True):
             reason = str(row.get("reason", "not available")).split(" (")[0]  # JSON has it all
-            rest = ["-"] * (len(_COLUMNS) - 2)
+            rest = ["-"] * (len(columns) - 2)
             lines.append(f"| {name} | {reason} | " + " | ".join(rest) + " |")
             continue
-        cells = [name] + [_cell(row.get(key)) for key, _ in _COLUMNS[1:]]
+        cells = [name] + [_cell(row.get(key)) for key, _ in columns[1:]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def burst_table(strategies: dict[str, dict[str, Any]]) -> str:
+    """The burst scenario's rows: lateness of the first and last delivery among messages
+    all due at one instant, and how each strategy scheduled them."""
+    hows = sorted({f"{name.split(',')[0]}: {row['scheduled_with']}"
+                   for name, row in strategies.items() if row.get("scheduled_with")})  # fmt: skip
+    table = markdown_table(strategies, _BURST_COLUMNS)
+    return table + ("\n\nscheduled with: " + "; ".join(hows) if hows else "")
 
 
 def decade_table(strategies: dict[str, dict[str, Any]]) -> str:
@@ -95,14 +126,22 @@ def throughput_summary(throughput: dict[str, Any]) -> str:
     best = throughput.get("max_rate_p99_within_10ms")
     lines = [
         f"| bulk phase ({raw['messages']:,} messages) | msgs or hops/s | CPU s "
-        "| peak RSS MB (per process) |",
-        "|---|---|---|---|",
-        f"| raw aio-pika loop | {raw['msgs_per_s']:,.0f} | - | - |",
+        "| CPU µs/msg | peak RSS MB (per process) |",
+        "|---|---|---|---|---|",
+        f"| raw aio-pika loop | {raw['msgs_per_s']:,.0f} | - | - | - |",
     ]
     for row, what in ((one, "relay, 1 process"), (two, "relay, 2 processes")):
         lines.append(
             f"| {what} | {row['hops_per_s']:,.0f} | {row['relay_cpu_s']:.2f} | "
-            f"{row['relay_peak_rss_mb']:.1f} |"
+            f"{row['relay_cpu_us_per_hop']:.0f} | {row['relay_peak_rss_mb']:.1f} |"
+        )
+    for row in throughput["scheduler"].values():
+        if not row["available"]:
+            lines.append(f"| {row['how']} | {row['reason']} | - | - | - |")
+            continue
+        lines.append(
+            f"| {row['how']} | {row['msgs_per_s']:,.0f} | {row['cpu_s']:.2f} | "
+            f"{row['cpu_us_per_msg']:.0f} | - |"
         )
     lines += [
         "",

@@ -8,6 +8,7 @@ import contextlib
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -15,6 +16,8 @@ from typing import IO, Any
 
 from bench_consumer import READY, parse_line
 from bench_measure import (
+    MAX_IN_FLIGHT,
+    CallCpu,
     Collector,
     Delivery,
     Pipeline,
@@ -25,14 +28,13 @@ from bench_measure import (
     stop_process,
     summarize,
 )
-from bench_strategies import Hopsched, Strategy
+from bench_strategies import BrokerFloor, Hopsched, Strategy
 from bench_workload import LONG_DELAY_US, Workload
 
 from hopsched.stats import LatenessStats
 
-__all__ = ["Progress", "Run", "Session", "run_workload"]
+__all__ = ["Progress", "Run", "Session", "measure_strategy", "run_burst", "run_workload"]
 
-MAX_IN_FLIGHT = 500  # schedule calls awaiting their confirm at once
 _MB = 1024 * 1024
 _CONSUMER_SCRIPT = Path(__file__).resolve().parent / "bench_consumer.py"
 _CONSUMER_READY_TIMEOUT_S = 30.0
@@ -193,12 +195,19 @@ class Session:
             problems = await asyncio.shield(self.strategy.close())
             self.cleanup_problems = [*self.cleanup_problems, *problems]
 
-    def process_stats(self) -> dict[str, Any]:
+    def process_cpu_s(self) -> float:
+        """The strategy's process's CPU seconds so far, sampled now (0 without one)."""
+        if self.sampler is None:
+            return 0.0
+        self.sampler.sample()
+        return self.sampler.cpu_s
+
+    def process_stats(self, cpu_before: float) -> dict[str, Any]:
+        """The process's CPU seconds since ``cpu_before`` (``process_cpu_s``), and RSS."""
         if self.sampler is None:
             return {"process_cpu_s": None, "process_peak_rss_mb": None, "process_rss_mb": None}
-        self.sampler.sample()
         return {
-            "process_cpu_s": round(self.sampler.cpu_s, 2),
+            "process_cpu_s": round(self.process_cpu_s() - cpu_before, 2),
             "process_peak_rss_mb": round(self.sampler.peak_rss / _MB, 1),
             "process_rss_mb": round(self.sampler.rss / _MB, 1),
         }
@@ -213,11 +222,82 @@ class Run:
     points: list[tuple[int, Delivery]] = field(default_factory=list)
 
 
+async def _await_deliveries(
+    session: Session, collector: Collector, deadline: float, report: Callable[[], None]
+) -> None:
+    """Until every awaited message is in or the loop's clock passes ``deadline``."""
+    loop = asyncio.get_running_loop()
+    while not collector.done.is_set() and loop.time() < deadline:
+        session.check_consumer()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(collector.done.wait(), 1.0)
+        report()
+    await asyncio.sleep(0.2)  # a duplicate right behind the last delivery is still counted
+    session.check_consumer()
+
+
+async def _outcome(
+    session: Session,
+    collector: Collector,
+    *,
+    scheduled: int,
+    failures: list[str],
+    pending: int,
+    cpu_before: float,
+    schedule_cpu: CallCpu,
+) -> dict[str, Any]:
+    """The summary fields every workload has: counts, lateness, publishes per message,
+    the strategy's process; for hopsched, CPU per relayed message and per schedule."""
+    strategy = session.strategy
+    delivered = list(collector.deliveries.values())
+    in_broker = None
+    if len(delivered) < scheduled:  # where are the others? still queued is not lost
+        depths = await queue_depths(strategy.prefix + ".")
+        if depths is not None:
+            in_broker = sum(n for q, n in depths.items() if q != strategy.target_queue)
+    # Short-delay messages still in the strategy's queues after the wait: late beyond
+    # it (e.g. head-of-line blocked behind a 24 h message), not lost.
+    overdue = max(0, min((in_broker or 0) - pending, scheduled - len(delivered) - pending))
+    summary: dict[str, Any] = {
+        "scheduled": scheduled,
+        "delivered": len(delivered),
+        "lost": scheduled - len(delivered) - pending - overdue,
+        "pending": pending,
+        "overdue": overdue,
+        "pending_in_broker_queues": in_broker,
+        "duplicates": collector.duplicates,
+        "strays": collector.strays,
+        "schedule_failures": len(failures),
+        **summarize(delivered),
+    }
+    publishes = [strategy.client_publishes(d.hops) for d in delivered]
+    dead_letters = [d.hops for d in delivered]
+    n = max(1, len(delivered))
+    summary["client_publishes_per_msg"] = round(sum(publishes) / n, 3)
+    summary["dead_letters_per_msg"] = round(sum(dead_letters) / n, 3)
+    summary["broker_publishes_per_msg"] = round((sum(publishes) + sum(dead_letters)) / n, 3)
+    summary.update(session.process_stats(cpu_before))
+    if isinstance(strategy, Hopsched):
+        # The relay publishes every hop after the scheduler's first one, and the delivery.
+        relayed = sum(max(d.hops, 1) for d in delivered)
+        cpu_s = summary["process_cpu_s"]
+        summary["relayed_msgs"] = relayed
+        summary["relay_cpu_us_per_relayed_msg"] = (
+            round(cpu_s * 1e6 / relayed, 1) if relayed else None
+        )
+        summary["scheduler_cpu_s"] = round(schedule_cpu.cpu_s, 3)
+        summary["scheduler_cpu_us_per_msg"] = schedule_cpu.us_per_call()
+    if failures:
+        summary["schedule_failure_examples"] = failures[:5]
+    return summary
+
+
 async def run_workload(
     session: Session, workload: Workload, *, tag: str, progress: Progress
 ) -> Run:
-    """Schedule ``workload`` through ``session``'s strategy at its rate, wait for every
-    delivery (up to max due + 10 s + 1 % of the longest short delay) and summarize.
+    """Schedule ``workload`` through ``session``'s strategy at its rate, one call per
+    message at its own instant, wait for every delivery (up to max due + 10 s + 1 % of
+    the longest short delay) and summarize.
 
     Delays of 24 h (F01's long ones) are not waited for: they are reported as pending,
     with the number of messages still in the strategy's queues as evidence.
@@ -230,19 +310,23 @@ async def run_workload(
     collector = Collector(set(ids), awaited=len(short_delays))
     session.collector = collector
     body = b"x" * workload.payload_bytes
-    cpu_before = session.sampler.cpu_s if session.sampler else 0.0
+    cpu_before = session.process_cpu_s()
     loop = asyncio.get_running_loop()
     pipeline = Pipeline(MAX_IN_FLIGHT)
+    schedule_cpu = CallCpu()
     failures: list[str] = []
     scheduled = 0
 
     async def one(schedule_id: str, delay_us: int) -> None:
         nonlocal scheduled
+        schedule_cpu.begin()
         try:
             await strategy.schedule(schedule_id, delay_us, body)
             scheduled += 1
         except Exception as error:
             failures.append(f"{schedule_id}: {error!r}")
+        finally:
+            schedule_cpu.end()
 
     max_short_s = max(short_delays, default=0) / 1e6
     grace_s = 10.0 + 0.01 * max_short_s
@@ -269,61 +353,131 @@ async def run_workload(
     await pipeline.drain()
     schedule_s = loop.time() - started
     scheduled_by_us = now_us()
-    deadline = loop.time() + max_short_s + grace_s
-    while not collector.done.is_set() and loop.time() < deadline:
-        session.check_consumer()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(collector.done.wait(), 1.0)
-        report()
-    await asyncio.sleep(0.2)  # a duplicate right behind the last delivery is still counted
-    session.check_consumer()
+    await _await_deliveries(session, collector, loop.time() + max_short_s + grace_s, report)
     lag.stop()
     report(force=True)
-    delivered = list(collector.deliveries.values())
-    pending = sum(1 for i in long_ids if i not in collector.deliveries)
-    in_broker = None
-    if len(delivered) < scheduled:  # where are the others? still queued is not lost
-        depths = await queue_depths(strategy.prefix + ".")
-        if depths is not None:
-            in_broker = sum(n for q, n in depths.items() if q != strategy.target_queue)
-    # Short-delay messages still in the strategy's queues after the wait: late beyond
-    # it (e.g. head-of-line blocked behind a 24 h message), not lost.
-    overdue = max(0, min((in_broker or 0) - pending, scheduled - len(delivered) - pending))
-    summary: dict[str, Any] = {
-        "scheduled": scheduled,
-        "delivered": len(delivered),
-        "lost": scheduled - len(delivered) - pending - overdue,
-        "pending": pending,
-        "overdue": overdue,
-        "pending_in_broker_queues": in_broker,
-        "duplicates": collector.duplicates,
-        "strays": collector.strays,
-        "schedule_failures": len(failures),
-        **summarize(delivered),
-    }
+    summary = await _outcome(
+        session,
+        collector,
+        scheduled=scheduled,
+        failures=failures,
+        pending=sum(1 for i in long_ids if i not in collector.deliveries),
+        cpu_before=cpu_before,
+        schedule_cpu=schedule_cpu,
+    )
     # Messages due once publishing has ended: what a steady stream would see, without
     # the publishing burst competing for the same two cores.
+    delivered = list(collector.deliveries.values())
     quiet = summarize([d for d in delivered if d.due_us > scheduled_by_us])
     summary["after_schedule_n"] = sum(1 for d in delivered if d.due_us > scheduled_by_us)
     for key in ("p50_ms", "p99_ms", "max_ms"):
         summary[f"after_schedule_{key}"] = quiet[key]
-    publishes = [strategy.client_publishes(d.hops) for d in delivered]
-    dead_letters = [d.hops for d in delivered]
-    n = max(1, len(delivered))
-    summary["client_publishes_per_msg"] = round(sum(publishes) / n, 3)
-    summary["dead_letters_per_msg"] = round(sum(dead_letters) / n, 3)
-    summary["broker_publishes_per_msg"] = round((sum(publishes) + sum(dead_letters)) / n, 3)
     summary["sustained_schedule_rate_per_s"] = round(len(delays) / schedule_s, 1)
     summary["wall_s"] = round(loop.time() - started, 1)
     summary.update(lag.summary())
-    summary.update(session.process_stats())
-    if session.sampler is not None:
-        summary["process_cpu_s"] = round(session.sampler.cpu_s - cpu_before, 2)
-    if failures:
-        summary["schedule_failure_examples"] = failures[:5]
     by_id = dict(zip(ids, delays, strict=True))
     points = [(by_id[i], d) for i, d in collector.deliveries.items()]
     if isinstance(strategy, Hopsched):  # the others' hops count x-death, not a ladder
         summary["hold_window_ms"] = strategy.settings.hold_window_ms
         summary["hops_by_decade"] = hops_by_decade(points, strategy.settings.hold_window_ms)
     return Run(summary, points)
+
+
+async def run_burst(
+    session: Session,
+    count: int,
+    lead_s: float,
+    *,
+    tag: str,
+    progress: Progress,
+    payload_bytes: int = 64,
+    grace_s: float = 30.0,
+) -> Run:
+    """Schedule ``count`` messages all due at one instant, ``lead_s`` after scheduling
+    starts, as fast as the strategy goes (``Strategy.schedule_burst``); wait for them
+    (until that instant + ``grace_s``) and summarize, with the first delivery's lateness
+    (``min_ms``), the last one's (``max_ms``) and the time between them."""
+    strategy = session.strategy
+    ids = [f"{tag}-{index}" for index in range(count)]
+    collector = Collector(set(ids), awaited=count)
+    session.collector = collector
+    cpu_before = session.process_cpu_s()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    lead_us = round(lead_s * 1e6)
+    due_us = now_us() + lead_us
+    schedule_cpu = CallCpu()
+
+    def report(force: bool = False) -> None:
+        progress.say(
+            f"[{strategy.name}] {count} due at once: delivered {len(collector.deliveries)}"
+            f"/{count} elapsed {loop.time() - started:.0f}s (due at {lead_s:g}s)",
+            force=force,
+        )
+
+    schedule_cpu.begin()
+    how, failures = await strategy.schedule_burst(ids, due_us, b"x" * payload_bytes)
+    schedule_cpu.end(count)
+    schedule_s = loop.time() - started
+    ahead_s = (due_us - now_us()) / 1e6
+    floor = isinstance(strategy, BrokerFloor)  # it publishes at the due instant, not ahead
+    if ahead_s < 0 and not floor:
+        progress.say(
+            f"[{strategy.name}] scheduling outlasted the lead by {-ahead_s:.1f}s", force=True
+        )
+    report(force=True)
+    await _await_deliveries(session, collector, started + lead_s + grace_s, report)
+    report(force=True)
+    summary = await _outcome(
+        session,
+        collector,
+        scheduled=count - len(failures),
+        failures=failures,
+        pending=0,
+        cpu_before=cpu_before,
+        schedule_cpu=schedule_cpu,
+    )
+    received = [d.received_us for d in collector.deliveries.values()]
+    spread_s = (max(received) - min(received)) / 1e6 if received else 0.0
+    summary.update(
+        {
+            "count": count,
+            "scheduled_with": how,
+            "lead_s": lead_s,
+            "schedule_s": None if floor else round(schedule_s, 2),
+            # below 0: scheduling outlasted the lead, and the last ones were due already
+            "scheduled_ahead_of_due_s": None if floor else round(ahead_s, 2),
+            "sustained_schedule_rate_per_s": None if floor else round(count / schedule_s, 1),
+            "first_to_last_delivery_s": round(spread_s, 3),
+            "delivered_per_s": round(len(received) / spread_s, 1) if spread_s else None,
+            "wall_s": round(loop.time() - started, 1),
+        }
+    )
+    return Run(summary, [(lead_us, d) for d in collector.deliveries.values()])
+
+
+async def measure_strategy(
+    strategy: Strategy,
+    label: str,
+    measure: Callable[[Session], Awaitable[Run]],
+    progress: Progress,
+    *,
+    burst: bool = False,
+) -> tuple[dict[str, Any], Run | None]:
+    """``measure`` in a session of ``strategy``: its summary, annotated (available, what
+    its publishes count, cleanup problems, its process's warnings), and the run; for a
+    strategy this broker (or this hopsched) cannot run, why, and no run."""
+    reason = await strategy.unavailable(burst=burst)
+    if reason is not None:
+        progress.say(f"[{label}] {reason}", force=True)
+        return {"available": False, "reason": reason}, None
+    progress.say(f"[{label}] starting on prefix {strategy.prefix}", force=True)
+    async with Session(strategy) as session:
+        run = await measure(session)
+    run.summary["available"] = True
+    run.summary["counting"] = strategy.counting
+    if session.cleanup_problems:
+        run.summary["cleanup_problems"] = session.cleanup_problems
+    if strategy.log_warnings:
+        run.summary["process_log_warnings"] = strategy.log_warnings[:20]
+    return run.summary, run

@@ -1,4 +1,4 @@
-"""The throughput and backlog scenarios."""
+"""The throughput, burst and backlog scenarios."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import os
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import aio_pika
 from bench_measure import (
+    MAX_IN_FLIGHT,
     Pipeline,
     ProcessSampler,
     broker_memory,
@@ -19,20 +21,24 @@ from bench_measure import (
     queue_depths,
     stop_process,
 )
-from bench_run import MAX_IN_FLIGHT, Progress, Run, Session, run_workload
-from bench_strategies import Hopsched, make_strategy
+from bench_run import Progress, Run, Session, measure_strategy, run_burst, run_workload
+from bench_strategies import BURST_BATCH, Hopsched, make_strategy, relay_command
 from bench_workload import Workload, parse_delays
 
 import hopsched
 
-__all__ = ["run_backlog", "run_throughput"]
+__all__ = ["run_backlog", "run_bursts", "run_throughput"]
 
 _MB = 1024 * 1024
 THROUGHPUT_MESSAGES = 20_000
-STEP_RATES = (50, 100, 150, 200, 250, 350, 500, 750, 1000, 1500, 2000, 3000, 4000)
+STEP_RATES = (50, 100, 150, 200, 250, 350, 500, 750, 1000, 1500, 2000, 3000, 4000, 5000)
+STEPS_UP_TO = 3000  # every step up to this rate runs, met or missed (unless saturated)
 STEP_SECONDS = 10  # each rate step schedules for this long
 STEP_DELAYS = "loguniform:10ms:5s"
 TARGET_P99_MS = 10.0
+BURST_COUNTS = (2000, 10_000)
+BURST_LEAD_S = 20.0
+BURST_STRATEGIES = ("hopsched-quorum", "hopsched-classic", "delayed-exchange", "broker-floor")
 
 
 async def _fill(
@@ -157,8 +163,7 @@ async def _relay_hops(
         await _fill(channel, topology.relay_queue, count, envelope, progress, label)
         for _ in range(relays):
             relay = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hopsched", "relay",
-                "--url", url, "--prefix", prefix, "--prefetch", str(prefetch),
+                *relay_command(url, prefix, prefetch),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
             processes.append(relay)
@@ -166,10 +171,14 @@ async def _relay_hops(
             samplers[-1].start()
         started = None
         all_consuming = None
+        cpu_at_start = 0.0
         while True:
             ready, consumers = await _passive_counts(connection, topology.relay_queue)
             if started is None and (consumers or ready < count):
                 started = time.monotonic()
+                for sampler in samplers:  # the start-up so far, left out of CPU per hop
+                    sampler.sample()
+                cpu_at_start = sum(sampler.cpu_s for sampler in samplers)
             if all_consuming is None and consumers >= relays:
                 all_consuming = time.monotonic()
             hopped, _ = await _passive_counts(connection, step_queue)
@@ -183,22 +192,26 @@ async def _relay_hops(
         elapsed = time.monotonic() - started
         for sampler in samplers:
             await sampler.stop()
+        cpu_s = sum(sampler.cpu_s for sampler in samplers)
         return {
             "relays": relays,
             "messages": count,
             "hops_per_s": round(count / elapsed, 1),
+            "relay_cpu_us_per_hop": round((cpu_s - cpu_at_start) * 1e6 / count, 1),
             "seconds": round(elapsed, 2),
             "all_consuming_after_s": (
                 None if all_consuming is None else round(all_consuming - started, 2)
             ),
             "prefetch": prefetch,
             "step_ms": step.step_ms,
-            "relay_cpu_s": round(sum(sampler.cpu_s for sampler in samplers), 2),
+            "relay_cpu_s": round(cpu_s, 2),
             "relay_cpu_s_each": [round(sampler.cpu_s, 2) for sampler in samplers],
             "relay_peak_rss_mb": round(max(sampler.peak_rss for sampler in samplers) / _MB, 1),
             "timing": "from the first relay's consumer appearing (or the relay queue first "
             "shrinking) to the step queue holding every message, polled every ~20 ms; "
-            "relay_cpu_s is the sum over the relay processes, relay_peak_rss_mb the largest",
+            "relay_cpu_s is the sum over the relay processes (start-up included), "
+            "relay_cpu_us_per_hop counts their CPU from that first poll on, "
+            "relay_peak_rss_mb the largest",
         }
     finally:
         for sampler in samplers:
@@ -211,17 +224,71 @@ async def _relay_hops(
         await connection.close()
 
 
+async def _schedule_bulk(
+    url: str, prefix: str, count: int, progress: Progress, *, many: bool
+) -> dict[str, Any]:
+    """``count`` messages due in 1 h scheduled from this process as fast as it goes:
+    ``Scheduler.schedule_many`` in batches of ``BURST_BATCH`` (``many``), or one
+    ``schedule()`` call per message, ``MAX_IN_FLIGHT`` at once. Messages/s and this
+    process's CPU per message, from the connected Scheduler's first call to the last
+    confirm. No relay runs: the messages wait in a step queue until it is deleted."""
+    how = (
+        f"schedule_many, batches of {BURST_BATCH:,}"
+        if many
+        else (f"schedule(), {MAX_IN_FLIGHT} in flight")
+    )
+    if many and not hasattr(hopsched.Scheduler, "schedule_many"):
+        return {"how": how, "available": False, "reason": "not in this hopsched"}
+    settings = hopsched.Settings(url=url, prefix=prefix)
+    topology = hopsched.Topology.from_settings(settings)
+    body, delay, target = b"x" * 64, timedelta(hours=1), f"{prefix}.target"
+    try:
+        async with hopsched.Scheduler(settings) as scheduler:
+            cpu_before, started = time.process_time(), time.monotonic()
+            if many:
+                for start in range(0, count, BURST_BATCH):
+                    size = min(BURST_BATCH, count - start)
+                    await scheduler.schedule_many(
+                        [hopsched.ScheduleRequest(body, target, delay=delay) for _ in range(size)]
+                    )
+                    progress.say(f"[{how}] {start + size}/{count}")
+            else:
+                pipeline = Pipeline(MAX_IN_FLIGHT)
+                for index in range(count):
+                    await pipeline.submit(scheduler.schedule(body, delay=delay, routing_key=target))
+                    progress.say(f"[{how}] {index}/{count}")
+                await pipeline.drain()
+            elapsed, cpu_s = time.monotonic() - started, time.process_time() - cpu_before
+    finally:
+        connection = await aio_pika.connect(url, name="bench-schedule-cleanup")
+        async with connection, connection.channel() as channel:
+            for name in topology.queues():
+                await channel.queue_delete(name)
+            await channel.exchange_delete(topology.expired_exchange)
+    return {
+        "how": how,
+        "available": True,
+        "messages": count,
+        "msgs_per_s": round(count / elapsed, 1),
+        "seconds": round(elapsed, 2),
+        "cpu_s": round(cpu_s, 2),
+        "cpu_us_per_msg": round(cpu_s * 1e6 / count, 1),
+    }
+
+
 async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]:
-    """(c) the schedule rate stepped up against hopsched-quorum until p99 lateness exceeds
-    10 ms (or messages are lost, or the rate cannot be kept) at two rates in a row, the
-    highest rate that met it reported; then (a) a raw aio-pika consume ->
-    publish-with-confirm -> ack loop and (b) the relay's hops/s on the same broker, with
-    one relay process and then with two on a fresh prefix (scale-out)."""
+    """(c) the schedule rate stepped up against hopsched-quorum, every step up to
+    ``STEPS_UP_TO``/s (unless two in a row lose messages or fall below 90 % of their
+    rate: saturated), then on while they keep p99 lateness <= 10 ms, the highest rate
+    that met it reported; then (a) a raw aio-pika consume -> publish-with-confirm -> ack
+    loop and (b) the relay's hops/s on the same broker, with one relay process and then
+    with two on a fresh prefix (scale-out); then (d) the Scheduler alone, schedule() and
+    schedule_many, messages/s and CPU per message."""
     progress = Progress()
     steps: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     best = None
-    failed_in_a_row = 0
+    saturated_in_a_row = 0
     strategy = make_strategy("hopsched-quorum", url, run_id, prefetch)
     async with Session(strategy) as session:
         for rate in STEP_RATES:
@@ -237,16 +304,19 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
             run.summary["available"] = True
             steps[name], runs[name] = run.summary, run
             kept_up = run.summary["sustained_schedule_rate_per_s"] >= 0.9 * rate
-            ok = run.summary["lost"] == 0 and run.summary["p99_ms"] <= TARGET_P99_MS and kept_up
+            saturated = run.summary["lost"] > 0 or not kept_up
+            ok = not saturated and run.summary["p99_ms"] <= TARGET_P99_MS
             progress.say(
                 f"[rate {rate}/s] p99 {run.summary['p99_ms']:.1f} ms, lost {run.summary['lost']}, "
                 f"scheduled at {run.summary['sustained_schedule_rate_per_s']}/s",
                 force=True,
             )
-            failed_in_a_row = 0 if ok else failed_in_a_row + 1
             if ok:
                 best = rate
-            if failed_in_a_row == 2:  # one miss can be a noisy moment; two end the search
+            saturated_in_a_row = saturated_in_a_row + 1 if saturated else 0
+            # Saturated twice (once can be a noisy moment), a higher rate measures nothing
+            # new; past STEPS_UP_TO, the search goes on only while the target is met.
+            if saturated_in_a_row == 2 or (rate >= STEPS_UP_TO and not ok):
                 break
     # The bulk phases come last: deleting their 20,000-message quorum queues keeps the
     # broker busy for a while, which would show up as lateness in the rate steps.
@@ -260,18 +330,63 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
         url, f"{prefix}-relay-x2", prefetch, THROUGHPUT_MESSAGES, progress, relays=2
     )
     progress.say(f"[relay hops x2] {relay_x2['hops_per_s']} hops/s", force=True)
+    scheduler = {}
+    for key, many in (("schedule", False), ("schedule_many", True)):
+        scheduler[key] = await _schedule_bulk(
+            url, f"{prefix}-{key}", THROUGHPUT_MESSAGES, progress, many=many
+        )
+        progress.say(f"[{scheduler[key]['how']}] {scheduler[key].get('msgs_per_s')}/s", force=True)
     return {
         "raw_loop": raw,
         "relay": relay,
         "relay_x2": relay_x2,
+        "scheduler": scheduler,
         "relay_to_raw_ratio": round(relay["hops_per_s"] / raw["msgs_per_s"], 3),
         "scale_out_ratio": round(relay_x2["hops_per_s"] / relay["hops_per_s"], 3),
         "cpu_count": os.cpu_count(),
         "rate_steps": list(steps),
         "step_delays": STEP_DELAYS,
         "step_seconds": STEP_SECONDS,
+        "steps_up_to": STEPS_UP_TO,
         "max_rate_p99_within_10ms": best,
         "strategies": steps,
+        "runs": runs,
+    }
+
+
+async def run_bursts(
+    url: str,
+    run_id: str,
+    prefetch: int,
+    names: list[str],
+    counts: list[int],
+    lead_s: float,
+) -> dict[str, Any]:
+    """For each count and strategy, on a fresh prefix: ``count`` messages all due at one
+    instant ``lead_s`` after scheduling starts (``run_burst``)."""
+    progress = Progress()
+    rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Run] = {}
+    for count in counts:
+        for name in names:
+
+            async def measure(session: Session, count: int = count) -> Run:
+                return await run_burst(
+                    session, count, lead_s, tag=f"burst{count}", progress=progress
+                )
+
+            label = f"{name}, {count:,} at once"
+            strategy = make_strategy(name, url, f"{run_id}-{count}", prefetch)
+            rows[label], run = await measure_strategy(
+                strategy, label, measure, progress, burst=True
+            )
+            if run is not None:
+                runs[label] = run
+    return {
+        "counts": counts,
+        "lead_s": lead_s,
+        "batch": BURST_BATCH,
+        "strategies": rows,
         "runs": runs,
     }
 

@@ -6,22 +6,66 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
 import tempfile
-from datetime import timedelta
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 import aio_pika
 import aiormq
-from bench_measure import BENCH_DUE, BENCH_ID, now_us, stop_process
+from bench_measure import BENCH_DUE, BENCH_ID, MAX_IN_FLIGHT, Pipeline, now_us, stop_process
 
 import hopsched
 
-__all__ = ["STRATEGIES", "Strategy", "make_strategy"]
+try:  # the relay's own publisher; a hopsched from before it (--hopsched-path) has none
+    from hopsched import amqp
+    from hopsched.connect import Connector
+    from hopsched.publisher import Publisher, target_lane
+except ImportError as error:
+    _NO_FAST_PUBLISHER: str | None = f"{error}"
+else:
+    _NO_FAST_PUBLISHER = None
+
+__all__ = [
+    "BURST_BATCH",
+    "STRATEGIES",
+    "HopschedQuorum",
+    "Strategy",
+    "at_datetime",
+    "make_strategy",
+    "relay_command",
+]
 
 _HERE = Path(__file__).resolve().parent
 _READY_TIMEOUT_S = 30.0
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: Messages per ``schedule_many`` call when a workload gives many at once.
+BURST_BATCH = 1000
+#: Messages the broker floor publishes per loop iteration in a burst, as many as the
+#: relay releases (``hopsched.holds``).
+FLOOR_SLICE = 500
+
+
+def relay_command(url: str, prefix: str, prefetch: int, queue_type: str = "quorum") -> list[str]:
+    """``python -m hopsched relay`` as users run it. ``-P`` keeps the working directory
+    off ``sys.path``, so the relay imports the hopsched this process imported (a
+    checkout given by ``--hopsched-path`` is first on ``PYTHONPATH``), not one that
+    happens to sit in the directory the benchmark was started from."""
+    return [
+        sys.executable, "-P", "-m", "hopsched", "relay",
+        "--url", url,
+        "--prefix", prefix,
+        "--queue-type", queue_type,
+        "--prefetch", str(prefetch),
+    ]  # fmt: skip
+
+
+def at_datetime(due_us: int) -> datetime:
+    """``due_us`` as an aware datetime, exactly (no float seconds on the way)."""
+    return _EPOCH + timedelta(microseconds=due_us)
 
 
 class Strategy:
@@ -49,8 +93,9 @@ class Strategy:
         self.connection: aio_pika.abc.AbstractConnection | None = None
         self.channel: aio_pika.abc.AbstractChannel | None = None
 
-    async def unavailable(self) -> str | None:
-        """Why this strategy cannot run on this broker, or None."""
+    async def unavailable(self, *, burst: bool = False) -> str | None:
+        """Why this strategy cannot run on this broker (in the burst scenario if
+        ``burst``), or None."""
         return None
 
     async def open(self) -> None:
@@ -59,13 +104,25 @@ class Strategy:
         self.channel = await self.connection.channel(publisher_confirms=True)
         await self.channel.declare_queue(self.target_queue, durable=True)
         await self._declare(self.channel)
+        await self._start_process()
+
+    async def _start_process(self) -> None:
         command = self._process_command()
         if command is not None:
-            self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+            if self._log is None:
+                self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
             self.process = await asyncio.create_subprocess_exec(
                 *command, stdout=self._log, stderr=self._log
             )
             await self._wait_consuming()
+
+    async def restart_process(self) -> float:
+        """Stop the strategy's process (SIGTERM) and start a new one; seconds from its
+        start until it consumes."""
+        await self.stop_process()
+        started = time.perf_counter()
+        await self._start_process()
+        return time.perf_counter() - started
 
     async def _declare(self, channel: aio_pika.abc.AbstractChannel) -> None:
         raise NotImplementedError
@@ -103,6 +160,29 @@ class Strategy:
     async def schedule(self, schedule_id: str, delay_us: int, body: bytes) -> None:
         """Publish one message due ``delay_us`` from now, to the target queue; confirmed."""
         raise NotImplementedError
+
+    async def schedule_at(self, schedule_id: str, due_us: int, body: bytes) -> None:
+        """Publish one message due at ``due_us``; confirmed."""
+        await self.schedule(schedule_id, due_us - now_us(), body)
+
+    async def schedule_burst(
+        self, ids: list[str], due_us: int, body: bytes
+    ) -> tuple[str, list[str]]:
+        """Schedule one message per id, all due at ``due_us``, as fast as the strategy
+        goes; how it did, and the calls that failed."""
+        failures: list[str] = []
+
+        async def one(schedule_id: str) -> None:
+            try:
+                await self.schedule_at(schedule_id, due_us, body)
+            except Exception as error:
+                failures.append(f"{schedule_id}: {error!r}")
+
+        pipeline = Pipeline(MAX_IN_FLIGHT)
+        for schedule_id in ids:
+            await pipeline.submit(one(schedule_id))
+        await pipeline.drain()
+        return f"one call per message, {MAX_IN_FLIGHT} in flight", failures
 
     def message(
         self, schedule_id: str, due_us: int, body: bytes, **kwargs: Any
@@ -176,13 +256,7 @@ class Hopsched(Strategy):
         await self.scheduler.__aenter__()
 
     def _process_command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "hopsched", "relay",
-            "--url", self.url,
-            "--prefix", self.prefix,
-            "--queue-type", self.queue_type,
-            "--prefetch", str(self.prefetch),
-        ]  # fmt: skip
+        return relay_command(self.url, self.prefix, self.prefetch, self.queue_type)
 
     @property
     def consumed_queue(self) -> str:
@@ -196,6 +270,44 @@ class Hopsched(Strategy):
             routing_key=self.target_queue,
             schedule_id=schedule_id,
         )
+
+    async def schedule_at(self, schedule_id: str, due_us: int, body: bytes) -> None:
+        assert self.scheduler is not None
+        await self.scheduler.schedule(
+            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            at=at_datetime(due_us),
+            routing_key=self.target_queue,
+            schedule_id=schedule_id,
+        )
+
+    async def schedule_burst(
+        self, ids: list[str], due_us: int, body: bytes
+    ) -> tuple[str, list[str]]:
+        """``Scheduler.schedule_many`` in batches of ``BURST_BATCH``, one after another;
+        a hopsched without it (an earlier checkout) gets one ``schedule()`` per message."""
+        if not hasattr(self.scheduler, "schedule_many"):
+            return await super().schedule_burst(ids, due_us, body)
+        assert self.scheduler is not None
+        at = at_datetime(due_us)
+        failures: list[str] = []
+        for start in range(0, len(ids), BURST_BATCH):
+            batch = ids[start : start + BURST_BATCH]
+            requests = [
+                hopsched.ScheduleRequest(body, self.target_queue, at=at, schedule_id=schedule_id)
+                for schedule_id in batch
+            ]
+            try:
+                results: list[Any] = await self.scheduler.schedule_many(
+                    requests, return_exceptions=True
+                )
+            except Exception as error:  # the whole batch (e.g. no confirm in time)
+                results = [error] * len(batch)
+            failures += [
+                f"{schedule_id}: {result!r}"
+                for schedule_id, result in zip(batch, results, strict=True)
+                if isinstance(result, BaseException)
+            ]
+        return f"schedule_many, batches of {BURST_BATCH:,}", failures
 
     def client_publishes(self, hops: int) -> int:
         # hops 0: scheduler -> relay queue, relay -> target; else 1 + (hops - 1) + 1.
@@ -351,6 +463,75 @@ class BrokerFloor(Strategy):
         message = self.message(schedule_id, now_us(), body)
         await self.channel.default_exchange.publish(message, routing_key=self.target_queue)
 
+    async def unavailable(self, *, burst: bool = False) -> str | None:
+        if burst and _NO_FAST_PUBLISHER is not None:
+            return (
+                "not available: this hopsched has no hopsched.publisher.Publisher "
+                f"(the burst's floor uses it; {_NO_FAST_PUBLISHER})"
+            )
+        return None
+
+    async def schedule_burst(
+        self, ids: list[str], due_us: int, body: bytes
+    ) -> tuple[str, list[str]]:
+        """At ``due_us``, every message straight to the target with the relay's own
+        publisher (``hopsched.publisher.Publisher`` on a ``Connector`` connection),
+        confirms pipelined, released as the relay releases a burst (``hopsched.holds``:
+        woken a millisecond early, the rest waited by yielding, slices of
+        ``FLOOR_SLICE`` with a loop iteration, so a write, between them). Connection,
+        channel and properties are ready before that instant."""
+        connection = await Connector(hopsched.Settings(url=self.url), name="bench-floor").connect()
+        publisher = Publisher(connection)
+        lane = target_lane("")
+        failures: list[str] = []
+        loop = asyncio.get_running_loop()
+        confirmed, warmed = loop.create_future(), loop.create_future()
+        pending = len(ids)
+
+        def settled(schedule_id: str, outcome: amqp.Outcome, detail: Any) -> None:
+            nonlocal pending
+            if outcome is not amqp.Outcome.ACK:
+                failures.append(f"{schedule_id}: {outcome.value} {detail!r}")
+            pending -= 1
+            if pending == 0:
+                confirmed.set_result(None)
+
+        try:
+            properties = [
+                amqp.Properties(
+                    delivery_mode=2,
+                    headers=amqp.Table.from_dict({BENCH_ID: schedule_id, BENCH_DUE: due_us}),
+                ).encode()
+                for schedule_id in ids
+            ]
+            # Opens the lane's channel now, not at the due instant: a routing key no queue
+            # has, so the broker returns it (mandatory) and the target never sees it.
+            publisher.publish(
+                lane, "", f"{self.prefix}.nowhere", b"", properties[0],
+                lambda outcome, detail: warmed.set_result(outcome),
+            )  # fmt: skip
+            await warmed
+            await asyncio.sleep(max(0.0, (due_us - now_us()) / 1e6 - 0.001))
+            while now_us() < due_us:  # noqa: ASYNC110 - the last ms, which a timer overshoots
+                await asyncio.sleep(0)
+            for start in range(0, len(ids), FLOOR_SLICE):
+                for schedule_id, encoded in zip(
+                    ids[start : start + FLOOR_SLICE],
+                    properties[start : start + FLOOR_SLICE],
+                    strict=True,
+                ):
+                    publisher.publish(
+                        lane, "", self.target_queue, body, encoded,
+                        functools.partial(settled, schedule_id),
+                    )  # fmt: skip
+                await asyncio.sleep(0)
+            await confirmed
+        finally:
+            await publisher.close()
+            await connection.close()
+        how = f"at the due instant, hopsched.publisher.Publisher, slices of {FLOOR_SLICE}"
+        return how, failures
+
 
 class ConsumerHold(Strategy):
     """The Celery-ETA / Dramatiq way: a worker (``bench_hold_worker.py``, its own process)
@@ -398,7 +579,7 @@ class DelayedExchange(Strategy):
     def exchange(self) -> str:
         return f"{self.prefix}.delayed"
 
-    async def unavailable(self) -> str | None:
+    async def unavailable(self, *, burst: bool = False) -> str | None:
         probe = f"{self.prefix}.probe"
         connection = await aio_pika.connect(self.url, name="bench-delayed-probe")
         try:

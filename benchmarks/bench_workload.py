@@ -30,7 +30,7 @@ class Delays:
     """A delay distribution: ``loguniform``, ``uniform``, ``fixed`` or ``mixed`` (F01).
 
     ``low_us``/``high_us`` bound the delays (``fixed`` uses ``low_us``); ``mixed`` is
-    F01 of ``shared/cases/FIELD_CASES.md``: short delays uniform in [0, 60 s] with one
+    field case F01 (head-of-line blocking): short delays uniform in [0, 60 s] with one
     24 h delay after every 100 short ones.
     """
 

@@ -8,22 +8,30 @@ message into the largest step that still fits and delivers it to its target once
 from hopsched.envelope import DeliveryInfo, Envelope
 from hopsched.errors import (
     AccessRefusedError,
+    BrokerConnectionLost,
     BrokerUnavailableError,
     EnvelopeError,
     HopschedError,
     InvalidScheduleError,
+    InvalidSettingsError,
     PublishRejectedError,
+    PublishTimeoutError,
+    TargetRefused,
     TopologyMismatchError,
+    Unroutable,
 )
 from hopsched.ladder import Hold, Hop, Ladder
-from hopsched.relay import Relay, RelayTotals
-from hopsched.scheduler import Scheduled, Scheduler
+from hopsched.relay import Relay
+from hopsched.scheduler import Scheduled, Scheduler, ScheduleRequest
 from hopsched.settings import Settings, mask_url
+from hopsched.stats import RelayStats
 from hopsched.topology import Topology
 
 __all__ = [
     "AccessRefusedError",
+    "BrokerConnectionLost",
     "BrokerUnavailableError",
+    "Cancelled",
     "DeliveryInfo",
     "Envelope",
     "EnvelopeError",
@@ -31,14 +39,19 @@ __all__ = [
     "Hop",
     "HopschedError",
     "InvalidScheduleError",
+    "InvalidSettingsError",
     "Ladder",
     "PublishRejectedError",
+    "PublishTimeoutError",
     "Relay",
-    "RelayTotals",
+    "RelayStats",
+    "ScheduleRequest",
     "Scheduled",
     "Scheduler",
     "Settings",
+    "TargetRefused",
     "Topology",
     "TopologyMismatchError",
+    "Unroutable",
     "mask_url",
 ]

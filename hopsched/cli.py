@@ -5,31 +5,33 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aio_pika
-import aiormq
 import click
 
 from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import connect
-from hopsched.demo import run_demo
+from hopsched.demo import run_demo_or_local
 from hopsched.durations import parse_duration
 from hopsched.errors import HopschedError, InvalidScheduleError
-from hopsched.parked import list_parked, replay_parked
+from hopsched.logs import LogFormat, configure_logging
+from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.relay import Relay
-from hopsched.scheduler import Scheduler, due_time_us
+from hopsched.scheduler import Cancelled, Scheduled, Scheduler, due_time_us
 from hopsched.settings import Settings
-from hopsched.topology import Topology
+from hopsched.topology import QueueDepth, Teardown, Topology
 
-__all__ = ["main"]
+__all__ = ["EXIT_NOT_REPLAYED", "main"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: ``parked replay``: some messages asked for were not replayed (not parked, or left parked).
+EXIT_NOT_REPLAYED = 3
 
 
 def _connection_options(command: F) -> F:
@@ -90,17 +92,32 @@ def _parse_in(_: click.Context, __: click.Parameter, value: str | None) -> Any:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(verbose: bool) -> None:
-    """hopsched: deliver RabbitMQ messages at a future instant, never early."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if not verbose:  # hopsched reports connection trouble itself, once and masked
-        logging.getLogger("aiormq").setLevel(logging.CRITICAL)
-        logging.getLogger("aio_pika").setLevel(logging.CRITICAL)
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="-v: hopsched's debug lines; -vv: also aiormq's and aio-pika's frame-level lines.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line (time, level, logger, message, exception).",
+)
+def main(verbose: int, log_format: str) -> None:
+    """hopsched: deliver RabbitMQ messages at a future instant, never early.
+
+    \b
+    Exit status:
+      0  done
+      1  the broker cannot be reached or refused (login, access), a topology
+         mismatch, a missing queue; teardown refused (queues in use); the demo
+         saw an early or lost message
+      2  bad input (usage error)
+      3  parked replay: some messages asked for were not replayed
+    """
+    configure_logging(verbose, cast(LogFormat, log_format))
 
 
 @main.command()
@@ -216,6 +233,54 @@ def schedule(
 
 @main.command()
 @_connection_options
+@click.argument("schedule_ids", nargs=-1, required=True)
+def cancel(
+    url: str | None, prefix: str | None, queue_type: str | None, schedule_ids: tuple[str, ...]
+) -> None:
+    """Cancel schedules by id: their messages scheduled before now are not delivered (a
+    cancel confirmed 50 ms or more before the due time, never). An id nothing is
+    scheduled for, or already delivered, is not an error."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+
+    async def go() -> list[Cancelled]:
+        async with Scheduler(settings) as scheduler:
+            return await scheduler.cancel_many(schedule_ids)
+
+    for result in _run(go()):
+        click.echo(f"cancelled {result.schedule_id}")
+
+
+@main.command()
+@_connection_options
+@click.argument("schedule_id")
+@click.option("--at", "at", callback=_parse_at, help="New due time, ISO 8601 with offset.")
+@click.option(
+    "--in", "delay", callback=_parse_in, help="New delay from now: 250ms, 90s, 5m, 2h, 1d."
+)
+def reschedule(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    schedule_id: str,
+    at: datetime | None,
+    delay: Any,
+) -> None:
+    """Move a schedule to a new due time (an earlier one takes effect at the message's
+    next visit to a relay); prints the new due time (UTC)."""
+    if (at is None) == (delay is None):
+        raise click.UsageError("give exactly one of --at and --in")
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+
+    async def go() -> Scheduled:
+        async with Scheduler(settings) as scheduler:
+            return await scheduler.reschedule(schedule_id, at=at, delay=delay)
+
+    result = _run(go())
+    click.echo(f"rescheduled {result.schedule_id} due {result.due.isoformat()}")
+
+
+@main.command()
+@_connection_options
 def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None:
     """Declare the ladder, relay and parked queues (idempotent) and print them."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
@@ -237,57 +302,94 @@ def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None
 @_connection_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(url: str | None, prefix: str | None, queue_type: str | None, as_json: bool) -> None:
-    """Depth of every step queue, the relay and parked queues; relay consumers."""
+    """Depth of every step queue, the relay and parked queues; relay consumers. Declares
+    nothing; a queue of another type (--queue-type) is an error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
 
-    async def go() -> dict[str, dict[str, int] | None]:
+    async def go() -> dict[str, QueueDepth | None]:
         connection = await connect(settings)
-        depths: dict[str, dict[str, int] | None] = {}
         async with connection:
-            for name in topology.queues():
-                channel = await connection.channel()
-                try:
-                    ok = await (await channel.get_underlay_channel()).queue_declare(
-                        name, passive=True
-                    )
-                    depths[name] = {
-                        "messages": ok.message_count or 0,
-                        "consumers": ok.consumer_count or 0,
-                    }
-                except aiormq.exceptions.ChannelNotFoundEntity:
-                    depths[name] = None  # not declared yet
-                finally:
-                    if not channel.is_closed:
-                        await channel.close()
-        return depths
+            return await topology.inspect(connection)
 
-    depths: dict[str, dict[str, int] | None] = _run(go())
-    relay_info = depths.get(topology.relay_queue) or {}
+    depths: dict[str, QueueDepth | None] = _run(go())
+    relay_depth = depths.get(topology.relay_queue)
+    relay_consumers = relay_depth.consumers if relay_depth is not None else 0
     if as_json:
         click.echo(
             json.dumps(
                 {
                     "url": settings.masked_url,
                     "prefix": settings.prefix,
-                    "queues": depths,
-                    "relay_consumers": relay_info.get("consumers", 0),
+                    "queues": {
+                        name: None if depth is None else dataclasses.asdict(depth)
+                        for name, depth in depths.items()
+                    },
+                    "relay_consumers": relay_consumers,
                 },
                 indent=2,
             )
         )
         return
     click.echo(f"{settings.masked_url} prefix {settings.prefix}")
-    for name, info in depths.items():
-        shown = "missing" if info is None else f"{info['messages']:>9} messages"
+    for name, depth in depths.items():
+        shown = "missing" if depth is None else f"{depth.messages:>9} messages"
         click.echo(f"  {name:<40} {shown}")
-    click.echo(f"relay consumers: {relay_info.get('consumers', 0)}")
+    click.echo(f"relay consumers: {relay_consumers}")
 
 
 @main.command()
-@click.option("--prefix", help="Namespace of the broker objects [HOPSCHED_PREFIX].")
+@_connection_options
+@click.option(
+    "--force", is_flag=True, help="Delete even queues that hold messages (they are lost)."
+)
+def teardown(url: str | None, prefix: str | None, queue_type: str | None, force: bool) -> None:
+    """Delete the prefix's queues and exchange, printing each; refuses (exit 1) while a
+    queue holds messages or has consumers, unless --force."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    topology = Topology.from_settings(settings)
+
+    async def go() -> Teardown:
+        connection = await connect(settings)
+        async with connection:
+            return await topology.teardown(connection, force=force)
+
+    done: Teardown = _run(go())
+    for name in done.removed:
+        lost = f" ({done.lost[name]} message(s) deleted with it)" if name in done.lost else ""
+        click.echo(f"removed {name}{lost}")
+    for name in done.missing:
+        click.echo(f"did not exist: {name}")
+    click.echo(
+        f"{settings.prefix} on {settings.masked_url}: {len(done.removed)} removed, "
+        f"{len(done.missing)} did not exist"
+    )
+
+
+@main.command()
+@_connection_options
+def upgrade(url: str | None, prefix: str | None, queue_type: str | None) -> None:
+    """Re-declare the relay and parked queues of a prefix declared by hopsched < 0.2 with
+    this version's delivery limit and dead-lettering, keeping every message. Stop every
+    relay of the prefix first."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    topology = Topology.from_settings(settings)
+
+    async def go() -> list[str]:
+        connection = await connect(settings, name="hopsched-upgrade")
+        async with connection:
+            done = await topology.upgrade(connection)
+            await topology.declare(connection)  # and the rest, as any process would
+            return done
+
+    for line in _run(go()):
+        click.echo(line)
+
+
+@main.command()
+@_connection_options
 @click.option("--user", default="hopsched", show_default=True, help="RabbitMQ user name.")
-@click.option("--vhost", default="/", show_default=True, help="Virtual host.")
+@click.option("--vhost", help="Virtual host [default: the URL's, '/' if it names none].")
 @click.option(
     "--target-exchange",
     "target_exchanges",
@@ -295,11 +397,17 @@ def status(url: str | None, prefix: str | None, queue_type: str | None, as_json:
     help="An exchange messages are delivered to (repeatable; the default exchange needs none).",
 )
 def permissions(
-    prefix: str | None, user: str, vhost: str, target_exchanges: tuple[str, ...]
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    user: str,
+    vhost: str | None,
+    target_exchanges: tuple[str, ...],
 ) -> None:
     """Print the rabbitmqctl command granting the least permissions hopsched needs."""
-    settings = _settings(prefix=prefix)
-    click.echo(Topology.from_settings(settings).permissions(target_exchanges).command(user, vhost))
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    grant = Topology.from_settings(settings).permissions(target_exchanges)
+    click.echo(grant.command(user, settings.vhost if vhost is None else vhost))
 
 
 @main.group()
@@ -320,14 +428,19 @@ def parked_list(
 ) -> None:
     """Show parked messages with reason, target and due time, in queue order; they stay
     parked (each is returned to the queue, which counts as a delivery attempt on RabbitMQ
-    4.0-4.2 quorum queues)."""
+    4.0-4.2 quorum queues). --json prints the list of those shown; `status` counts all."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
-    found = _run(list_parked(settings, limit=limit))
+    listing: ParkedListing = _run(list_parked(settings, limit=limit))
     if as_json:
-        click.echo(json.dumps([dataclasses.asdict(message) for message in found], indent=2))
+        click.echo(
+            json.dumps([dataclasses.asdict(message) for message in listing.messages], indent=2)
+        )
         return
-    click.echo(f"{len(found)} parked message(s) in {settings.prefix}.parked")
-    for message in found:
+    click.echo(
+        f"showing {len(listing.messages)} of {listing.total} parked message(s) in "
+        f"{settings.prefix}.parked"
+    )
+    for message in listing.messages:
         click.echo(
             f"{message.schedule_id or '?'}  due {_when(message.due_us)}  target "
             f"{message.exchange!r}/{message.routing_key!r}  {message.body_bytes} bytes  "
@@ -347,8 +460,13 @@ def parked_replay(
     replay_all: bool,
 ) -> None:
     """Send parked messages back to the relay, once their target is fixed: the relay
-    delivers each (at once if past due) or parks it again with the new reason."""
-    if bool(ids) == replay_all:
+    delivers each (at once if past due) or parks it again with the new reason.
+
+    Exits 3 if some messages asked for were not replayed (an --id not parked, or a
+    message left parked, each named with why); the others were."""
+    if ids and replay_all:
+        raise click.UsageError("--all and --id exclude each other: give one of them")
+    if not ids and not replay_all:
         raise click.UsageError("give --id ID (repeatable) or --all")
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     result = _run(replay_parked(settings, None if replay_all else set(ids)))
@@ -359,7 +477,7 @@ def parked_replay(
     for name in sorted(missing):
         click.echo(f"not parked: {name}", err=True)
     if missing or result.left:
-        sys.exit(1)
+        sys.exit(EXIT_NOT_REPLAYED)
 
 
 @main.command()
@@ -389,14 +507,20 @@ def demo(
     rate: float,
     seed: int | None,
 ) -> None:
-    """Run a relay in-process, schedule COUNT real messages, print how late they came."""
+    """Run a relay in-process, schedule COUNT real messages, print how late they came.
+
+    If nothing answers at the URL on this machine and RabbitMQ is installed
+    (HOPSCHED_RABBITMQ_BIN, /usr/lib/rabbitmq/bin or PATH), the demo runs on a throwaway
+    RabbitMQ node it starts and removes at the end."""
     # A prefix of its own per queue type: one prefix holds one kind of ladder.
     default_prefix = "hopsched-demo" + ("-classic" if queue_type == "classic" else "")
     settings = _settings(url=url, prefix=prefix or default_prefix, queue_type=queue_type)
     max_delay_s = max_delay.total_seconds()
     if max_delay_s <= 0.01:
         raise click.BadParameter("must be more than 10ms", param_hint="--max-delay")
-    report = _run(run_demo(settings, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed))
+    report = _run(
+        run_demo_or_local(settings, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed)
+    )
     click.echo(report.table())
     if not report.ok:
         click.echo(f"FAILED: {report.early} early, {report.lost} lost", err=True)

@@ -4,26 +4,46 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import math
 import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
+from urllib.parse import urlsplit
 
 import aio_pika
 
 from hopsched.clock import now_us
 from hopsched.connect import connect
 from hopsched.envelope import DeliveryInfo
+from hopsched.errors import BrokerUnavailableError
+from hopsched.localbroker import private_node, rabbitmq_bin_dir
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduler
 from hopsched.settings import Settings
 from hopsched.stats import LatenessStats
 
-__all__ = ["DemoReport", "log_uniform_delays", "run_demo"]
+__all__ = [
+    "GET_A_BROKER",
+    "DemoReport",
+    "log_uniform_delays",
+    "nothing_answers",
+    "run_demo",
+    "run_demo_or_local",
+]
 
 _GRACE_S = 10.0  # how long past the last due time a message may still arrive
+_PROBE_TIMEOUT_S = 2.0  # for a TCP connect to this machine
+
+#: How to get a broker, for a demo that finds none and cannot start one.
+GET_A_BROKER = (
+    "install RabbitMQ (Debian/Ubuntu: the rabbitmq-server package) or run its official "
+    "container image (docker run -d -p 5672:5672 rabbitmq:3-management), or point --url "
+    "(HOPSCHED_URL) at a broker"
+)
 
 
 @dataclass
@@ -176,3 +196,75 @@ async def _wait_with_progress(
         out.flush()
     if interactive:
         out.write("\n")
+
+
+async def nothing_answers(url: str) -> bool:
+    """Whether ``url`` names this machine (a loopback host) and nothing accepts a TCP
+    connection at its port: a broker that is simply not running here."""
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    if host != "localhost":
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return False
+        except ValueError:  # another host name
+            return False
+    port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+    try:
+        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(host, port)
+    except TimeoutError:  # something is there, if slow: let the connect report it
+        return False
+    except OSError:  # refused on every address
+        return True
+    writer.close()
+    await writer.wait_closed()
+    return False
+
+
+async def run_demo_or_local(
+    settings: Settings,
+    *,
+    count: int,
+    max_delay_s: float,
+    rate: float = 200.0,
+    seed: int | None = None,
+    out: TextIO = sys.stderr,
+) -> DemoReport:
+    """``run_demo`` with these arguments; but if nothing answers at the URL on this
+    machine (``nothing_answers``) and RabbitMQ is installed (``rabbitmq_bin_dir``), on a
+    throwaway private node instead (``private_node``): said on ``out``, and the node
+    and its directory removed at the end, also on an error or a cancellation (Ctrl-C).
+
+    Raises:
+        BrokerUnavailableError: nothing answers and RabbitMQ is not installed; the
+            message says how to get a broker (``GET_A_BROKER``).
+        LocalBrokerError: the private node did not start.
+    """
+
+    async def demo_on(broker: Settings) -> DemoReport:
+        return await run_demo(
+            broker, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed, out=out
+        )
+
+    if not await nothing_answers(settings.url):
+        return await demo_on(settings)
+    bin_dir = rabbitmq_bin_dir()
+    if bin_dir is None:
+        raise BrokerUnavailableError(
+            f"nothing answers at {settings.masked_url} and RabbitMQ is not installed "
+            f"here: {GET_A_BROKER}"
+        )
+    out.write(
+        f"nothing answers at {settings.masked_url}: starting a throwaway RabbitMQ node "
+        f"({bin_dir / 'rabbitmq-server'}) for this demo\n"
+    )
+    out.flush()
+    try:
+        async with private_node(bin_dir=bin_dir) as node:
+            out.write(f"throwaway node {node.node} on 127.0.0.1:{node.port}, in {node.root}\n")
+            out.flush()
+            return await demo_on(dataclasses.replace(settings, url=node.url))
+    finally:
+        out.write("throwaway node stopped and removed\n")
+        out.flush()

@@ -17,15 +17,20 @@ _UNITS_US = {
     "d": 86_400_000_000,
 }
 _DURATION = re.compile(r"^\s*(?P<number>-?\d+(?:\.\d*)?|-?\.\d+)\s*(?P<unit>us|ms|s|m|h|d)\s*$")
+#: Zero needs no unit: ``0``, ``-0``, ``0.0``.
+_ZERO = re.compile(r"^\s*-?(?:0+(?:\.0*)?|\.0+)\s*$")
 
 
 def parse_duration(text: str) -> timedelta:
-    """``"90s"`` → ``timedelta(seconds=90)``. Units: us, ms, s, m, h, d. Exact (no float);
-    fractions of a microsecond round up.
+    """``"90s"`` → ``timedelta(seconds=90)``. Units: us, ms, s, m, h, d; zero needs none
+    (``"0"``). Exact (no float); fractions of a microsecond round up. Negative durations
+    parse as such (``"-5s"``): the caller decides what they mean.
 
     Raises:
         ValueError: not a number followed by one of the units.
     """
+    if _ZERO.match(text):
+        return timedelta(0)
     match = _DURATION.match(text)
     if match is None:
         raise ValueError(

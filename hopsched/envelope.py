@@ -1,43 +1,62 @@
-"""The envelope: hopsched's headers on a message in the ladder. Pure: no I/O, no clock.
+"""The envelope: hopsched's headers on a message in the ladder, and every header and
+property change a message goes through. Pure: no I/O, no clock.
 
-Header values are kept to types that every AMQP 0-9-1 client encodes and decodes
-the same way (long strings and signed integers). The due time is an integer count
-of microseconds since the Unix epoch, never a float: a field-table float may be
-32 bits wide (pamqp encodes Python floats as type ``f``), which would move an
-epoch timestamp by minutes.
+This module is the one place that builds a message's headers and properties for each
+step of its life: the first placement (``schedule()``), a hop, a retry after the
+target refused it, the final delivery, parking, and a replay from the parking queue.
+
+Header values are kept to types every AMQP 0-9-1 client encodes and decodes the same
+way (long strings and signed integers). The due time is an integer count of
+microseconds since the Unix epoch, never a float: a field-table float may be 32 bits
+wide (pamqp encodes Python floats as type ``f``), which would move an epoch timestamp
+by minutes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hopsched.amqp.wire import Properties, Table
 from hopsched.errors import EnvelopeError
 
 __all__ = [
     "BROKER_DEAD_LETTER_HEADERS",
     "BROKER_DELIVERY_COUNT_HEADER",
     "ENVELOPE_VERSION",
+    "HEADER_CREATED",
     "HEADER_DELIVERY_MODE",
     "HEADER_DUE",
     "HEADER_EXCHANGE",
     "HEADER_EXPIRATION",
     "HEADER_HOPS",
+    "HEADER_HOP_CLOCK",
     "HEADER_HOP_EXPIRES",
     "HEADER_ID",
     "HEADER_PARKED_AT",
     "HEADER_PARKED_REASON",
     "HEADER_PARKED_USER_ID",
+    "HEADER_PREFIX",
+    "HEADER_RETRIES",
+    "HEADER_RETRY_SINCE",
     "HEADER_ROUTING_KEY",
     "HEADER_VERSION",
     "PERSISTENT",
+    "RELAY_CLOCK",
     "DeliveryInfo",
     "Envelope",
+    "callers_headers",
     "delivery_headers",
+    "delivery_properties",
+    "first_hop_properties",
     "hop_headers",
+    "hop_properties",
     "parked_headers",
+    "parked_properties",
+    "retry_properties",
     "unparked_headers",
+    "unparked_properties",
 ]
 
 ENVELOPE_VERSION = 1
@@ -45,17 +64,31 @@ ENVELOPE_VERSION = 1
 #: AMQP delivery mode 2: every hop is persistent, whatever the caller chose.
 PERSISTENT = 2
 
+#: Every header hopsched writes starts with this; a caller's own are replaced.
+HEADER_PREFIX = "x-hopsched-"
 HEADER_VERSION = "x-hopsched-version"
 HEADER_ID = "x-hopsched-id"
 HEADER_DUE = "x-hopsched-due"  # int, microseconds since the Unix epoch, UTC
 HEADER_EXCHANGE = "x-hopsched-exchange"
 HEADER_ROUTING_KEY = "x-hopsched-routing-key"
+#: Passes through a step queue so far (the first placement counts when it is one).
 HEADER_HOPS = "x-hopsched-hops"
 # int, µs since the Unix epoch: when the current hop's step TTL runs out (its publish
 # instant + the step); the relay measures each hop's overshoot against it.
 HEADER_HOP_EXPIRES = "x-hopsched-hop-expires"
+#: Whose clock wrote ``x-hopsched-hop-expires``: ``RELAY_CLOCK``, or the producer's id
+#: (the relay learns its hop margin from its own stamps only and estimates each
+#: producer's clock offset from the others).
+HEADER_HOP_CLOCK = "x-hopsched-hop-clock"
+RELAY_CLOCK = "relay"
+#: int, µs since the epoch by the producer's clock: when the message was scheduled (a
+#: cancel or reschedule applies to the messages of its id created before it).
+HEADER_CREATED = "x-hopsched-created"
 HEADER_EXPIRATION = "x-hopsched-expiration"  # the caller's own expiration, final publish only
 HEADER_DELIVERY_MODE = "x-hopsched-delivery-mode"  # the caller's, when not persistent (2)
+#: Final publishes the target refused so far, and when the first refusal came (µs).
+HEADER_RETRIES = "x-hopsched-retries"
+HEADER_RETRY_SINCE = "x-hopsched-retry-since"
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
 HEADER_PARKED_AT = "x-hopsched-parked-at"  # int, microseconds since the Unix epoch, UTC
 HEADER_PARKED_USER_ID = "x-hopsched-user-id"  # a parked message's user_id property
@@ -76,9 +109,8 @@ BROKER_DEAD_LETTER_HEADERS = frozenset(
 )
 
 #: What a quorum queue adds to a message it delivers again (``{prefix}.relay`` after a relay
-#: crash or a nack; https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling).
-#: Carried on, it would tell the target's consumer that a first delivery was a redelivery
-#: (a consumer rejecting "poison" messages by this count would count the relay's retries).
+#: crash; https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling).
+#: Carried on, it would tell the target's consumer that a first delivery was a redelivery.
 BROKER_DELIVERY_COUNT_HEADER = "x-delivery-count"
 _BROKER_HEADERS = BROKER_DEAD_LETTER_HEADERS | {BROKER_DELIVERY_COUNT_HEADER}
 
@@ -88,11 +120,17 @@ _ROUTING_HEADERS = frozenset(
         HEADER_VERSION,
         HEADER_EXCHANGE,
         HEADER_ROUTING_KEY,
+        HEADER_CREATED,
         HEADER_EXPIRATION,
         HEADER_DELIVERY_MODE,
         HEADER_HOP_EXPIRES,
+        HEADER_HOP_CLOCK,
+        HEADER_RETRIES,
+        HEADER_RETRY_SINCE,
     }
 )
+_PARKED_HEADERS = frozenset({HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID})
+_HOP_DROPS = _BROKER_HEADERS | {HEADER_HOP_EXPIRES, HEADER_HOP_CLOCK}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +142,15 @@ class Envelope:
         due_us: due time, integer microseconds since the Unix epoch (UTC).
         exchange: target exchange ("" is the default exchange).
         routing_key: target routing key.
-        hops: hops taken so far.
+        hops: passes through a step queue so far.
         expiration: the caller's per-message ``expiration`` (ms, as a string), applied
             to the final publish only: on a hop it would bring back head-of-line blocking.
         delivery_mode: the caller's delivery mode when it is not 2 (persistent);
             ``0`` means the caller left it unset. Hops are always persistent.
+        retries: final publishes the target refused (nacked) so far.
+        retry_since_us: when the first of them was refused, µs since the epoch.
+        created_us: when it was scheduled, µs since the epoch by the producer's clock
+            (0: not recorded, from a hopsched before cancellation).
     """
 
     schedule_id: str
@@ -118,6 +160,9 @@ class Envelope:
     hops: int = 0
     expiration: str | None = None
     delivery_mode: int | None = None
+    retries: int = 0
+    retry_since_us: int | None = None
+    created_us: int = 0
 
     def to_headers(self) -> dict[str, Any]:
         """The envelope as AMQP header fields (merge them into the caller's headers)."""
@@ -133,11 +178,17 @@ class Envelope:
             headers[HEADER_EXPIRATION] = self.expiration
         if self.delivery_mode is not None:
             headers[HEADER_DELIVERY_MODE] = self.delivery_mode
+        if self.retries:
+            headers[HEADER_RETRIES] = self.retries
+        if self.retry_since_us is not None:
+            headers[HEADER_RETRY_SINCE] = self.retry_since_us
+        if self.created_us:
+            headers[HEADER_CREATED] = self.created_us
         return headers
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, Any] | None) -> Envelope:
-        """Read the envelope back from received AMQP headers.
+        """Read the envelope back from received AMQP headers (a dict or a ``Table``).
 
         Raises:
             EnvelopeError: a header is missing, has the wrong type, or the version is
@@ -163,9 +214,15 @@ class Envelope:
             hops=field(HEADER_HOPS, int),
             expiration=field(HEADER_EXPIRATION, str, required=False),
             delivery_mode=field(HEADER_DELIVERY_MODE, int, required=False),
+            retries=field(HEADER_RETRIES, int, required=False) or 0,
+            retry_since_us=field(HEADER_RETRY_SINCE, int, required=False),
+            created_us=field(HEADER_CREATED, int, required=False) or 0,
         )
-        if envelope.due_us < 0 or envelope.hops < 0:
-            raise EnvelopeError(f"headers {HEADER_DUE!r} and {HEADER_HOPS!r} must be >= 0", headers)
+        if envelope.due_us < 0 or envelope.hops < 0 or envelope.retries < 0:
+            raise EnvelopeError(
+                f"headers {HEADER_DUE!r}, {HEADER_HOPS!r} and {HEADER_RETRIES!r} must be >= 0",
+                headers,
+            )
         if len(envelope.routing_key.encode()) > 255 or len(envelope.exchange.encode()) > 255:
             raise EnvelopeError("target exchange and routing key are limited to 255 bytes", headers)
         return envelope
@@ -193,7 +250,7 @@ class DeliveryInfo:
         schedule_id: de-duplicate on it: delivery is at-least-once.
         due_us: the due time, integer microseconds since the Unix epoch (UTC);
             lateness = receive instant - due_us.
-        hops: ladder hops the message took.
+        hops: passes through a step queue the message took.
     """
 
     schedule_id: str
@@ -215,42 +272,175 @@ class DeliveryInfo:
         )
 
 
-_PARKED_HEADERS = frozenset({HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID})
+# --- headers at each step -----------------------------------------------------------------
 
 
-def _without(headers: Mapping[str, Any] | None, names: frozenset[str]) -> dict[str, Any]:
-    return {k: v for k, v in (headers or {}).items() if k not in names}
+def _table(headers: Mapping[str, Any] | None) -> Table:
+    if isinstance(headers, Table):
+        return headers
+    return Table.from_dict(headers)
+
+
+def _without(headers: Mapping[str, Any] | None, names: Iterable[str]) -> Table:
+    return _table(headers).without(names)
+
+
+def callers_headers(headers: Mapping[str, Any] | None) -> Table:
+    """A caller's headers for ``schedule()``, encoded: less any ``x-hopsched-*`` (so a
+    received message can be scheduled again as it is) and the broker's bookkeeping.
+
+    Raises:
+        TypeError, ValueError: a value pamqp cannot encode (``validate.check_headers``
+            refuses them first, naming them).
+    """
+    return Table.from_dict(
+        {
+            key: value
+            for key, value in (headers or {}).items()
+            if not key.startswith(HEADER_PREFIX) and key not in _BROKER_HEADERS
+        }
+    )
+
+
+def first_hop_headers(
+    callers: Table, envelope: Envelope, *, hop_expires_us: int | None, producer: str
+) -> Table:
+    """Headers for ``schedule()``'s publish: the caller's (``callers_headers``) plus the
+    envelope and, for a hop, when it expires by ``producer``'s clock."""
+    values = envelope.to_headers()
+    if hop_expires_us is not None:
+        values[HEADER_HOP_EXPIRES] = hop_expires_us
+        values[HEADER_HOP_CLOCK] = producer
+    return callers.update(values)
 
 
 def hop_headers(
-    headers: Mapping[str, Any] | None, hops: int, expires_us: int | None = None
-) -> dict[str, Any]:
-    """Headers for the next hop: the broker's bookkeeping removed, hop count set, and
-    (when given) the instant the hop's TTL runs out, µs since the epoch."""
-    result = _without(headers, _BROKER_HEADERS)
-    result[HEADER_HOPS] = hops
+    headers: Mapping[str, Any] | None,
+    hops: int,
+    expires_us: int | None = None,
+    due_us: int | None = None,
+) -> Table:
+    """Headers for the relay's next hop: the broker's bookkeeping removed, the hop
+    counted, (when given) the instant the hop's TTL runs out by the relay's clock, and
+    the due time (a reschedule moves it)."""
+    values: dict[str, Any] = {HEADER_HOPS: hops}
     if expires_us is not None:
-        result[HEADER_HOP_EXPIRES] = expires_us
-    return result
+        values[HEADER_HOP_EXPIRES] = expires_us
+        values[HEADER_HOP_CLOCK] = RELAY_CLOCK
+    if due_us is not None:
+        values[HEADER_DUE] = due_us
+    return _without(headers, _HOP_DROPS).update(values)
 
 
-def delivery_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+def delivery_headers(headers: Mapping[str, Any] | None) -> Table:
     """Headers for the final publish: the caller's own, plus id, due time and hops."""
     return _without(headers, _BROKER_HEADERS | _ROUTING_HEADERS)
 
 
-def parked_headers(
-    headers: Mapping[str, Any] | None, reason: str, parked_at_us: int
-) -> dict[str, Any]:
+def parked_headers(headers: Mapping[str, Any] | None, reason: str, parked_at_us: int) -> Table:
     """Headers for a parked message: everything it had (target, due time) plus why and when."""
-    result = _without(headers, _BROKER_HEADERS)
-    result[HEADER_PARKED_REASON] = reason
-    result[HEADER_PARKED_AT] = parked_at_us
-    return result
+    return _without(headers, _BROKER_HEADERS).update(
+        {HEADER_PARKED_REASON: reason, HEADER_PARKED_AT: parked_at_us}
+    )
 
 
-def unparked_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+def unparked_headers(headers: Mapping[str, Any] | None) -> Table:
     """Headers for replaying a parked message: the parking reason, time and user_id gone,
-    and its last hop's expiry (measured against it, the replay would look like a hop
-    late by the time it was parked)."""
-    return _without(headers, _PARKED_HEADERS | {HEADER_HOP_EXPIRES})
+    its last hop's expiry (measured against it, the replay would look like a hop late by
+    the time it was parked) and its retry count (the replay starts afresh)."""
+    return _without(
+        headers,
+        _PARKED_HEADERS
+        | _BROKER_HEADERS
+        | {HEADER_HOP_EXPIRES, HEADER_HOP_CLOCK, HEADER_RETRIES, HEADER_RETRY_SINCE},
+    )
+
+
+# --- properties at each step --------------------------------------------------------------
+
+
+def first_hop_properties(
+    properties: Properties,
+    envelope: Envelope,
+    *,
+    headers: Table,
+    hop_expires_us: int | None,
+    producer: str,
+) -> Properties:
+    """The caller's properties (and headers, from ``callers_headers``) for
+    ``schedule()``'s publish: the envelope in the headers, persistent, no ``expiration``
+    (the envelope keeps it for the final publish), and the schedule id as
+    ``message_id`` if the caller set none."""
+    return properties.replace(
+        headers=first_hop_headers(
+            headers, envelope, hop_expires_us=hop_expires_us, producer=producer
+        ),
+        expiration=None,
+        delivery_mode=PERSISTENT,
+        # Left unset, AMQP clients fill message_id with a random id; the schedule id is
+        # as unique and lets consumers de-duplicate on either.
+        message_id=properties.message_id or envelope.schedule_id,
+    )
+
+
+def hop_properties(properties: Properties, envelope: Envelope, expires_us: int) -> Properties:
+    """A delivery's properties for its next hop (expiring at ``expires_us``)."""
+    return properties.replace(
+        headers=hop_headers(properties.headers, envelope.hops + 1, expires_us, envelope.due_us),
+        expiration=None,
+        delivery_mode=PERSISTENT,
+    )
+
+
+def retry_properties(
+    properties: Properties, envelope: Envelope, expires_us: int, refused_at_us: int
+) -> Properties:
+    """A delivery's properties for a hop that waits before the final publish is tried
+    again: the hop plus the count of refusals and the instant of the first."""
+    since = envelope.retry_since_us if envelope.retry_since_us is not None else refused_at_us
+    hopped = hop_properties(properties, envelope, expires_us)
+    assert hopped.headers is not None
+    return hopped.replace(
+        headers=hopped.headers.update(
+            {HEADER_RETRIES: envelope.retries + 1, HEADER_RETRY_SINCE: since}
+        )
+    )
+
+
+def delivery_properties(properties: Properties, envelope: Envelope) -> Properties:
+    """A delivery's properties for the final publish: the caller's headers (plus id, due
+    time and hops), and the caller's own ``expiration`` and delivery mode."""
+    if envelope.delivery_mode is None:
+        delivery_mode: int | None = PERSISTENT
+    else:
+        delivery_mode = envelope.delivery_mode or None  # 0: the caller left it unset
+    headers = delivery_headers(properties.headers)
+    if headers.get(HEADER_DUE) != envelope.due_us:  # rescheduled
+        headers = headers.update({HEADER_DUE: envelope.due_us})
+    return properties.replace(
+        headers=headers,
+        expiration=envelope.expiration,
+        delivery_mode=delivery_mode,
+    )
+
+
+def parked_properties(properties: Properties, reason: str, parked_at_us: int) -> Properties:
+    """A delivery's properties for the parking queue. Its ``user_id`` moves to header
+    ``x-hopsched-user-id``: the broker refuses a publish whose user_id is not the
+    relay's own login (https://www.rabbitmq.com/docs/validated-user-id)."""
+    headers = parked_headers(properties.headers, reason, parked_at_us)
+    if properties.user_id is not None:
+        headers = headers.update({HEADER_PARKED_USER_ID: properties.user_id})
+    return properties.replace(
+        headers=headers, user_id=None, expiration=None, delivery_mode=PERSISTENT
+    )
+
+
+def unparked_properties(properties: Properties) -> Properties:
+    """A parked message's properties for its replay: its ``user_id`` back in place."""
+    headers = properties.headers
+    user_id = headers.get(HEADER_PARKED_USER_ID) if headers is not None else None
+    return properties.replace(
+        headers=unparked_headers(headers),
+        user_id=user_id if isinstance(user_id, str) else properties.user_id,
+    )

@@ -7,12 +7,18 @@ from typing import Any
 
 __all__ = [
     "AccessRefusedError",
+    "BrokerConnectionLost",
     "BrokerUnavailableError",
+    "ChannelClosedError",
     "EnvelopeError",
     "HopschedError",
     "InvalidScheduleError",
+    "InvalidSettingsError",
     "PublishRejectedError",
+    "PublishTimeoutError",
+    "TargetRefused",
     "TopologyMismatchError",
+    "Unroutable",
 ]
 
 
@@ -21,10 +27,14 @@ class HopschedError(Exception):
 
 
 class InvalidScheduleError(HopschedError, ValueError):
-    """A `schedule()` call or a setting was given a value it cannot use.
+    """A ``schedule()`` call was given a value it cannot use; nothing was sent.
 
-    Also a `ValueError`, so callers that validate input generically catch it.
+    Also a ``ValueError``, so callers that validate input generically catch it.
     """
+
+
+class InvalidSettingsError(HopschedError, ValueError):
+    """A ``Settings`` field (or its ``HOPSCHED_*`` variable) has a value hopsched cannot use."""
 
 
 class EnvelopeError(HopschedError, ValueError):
@@ -57,23 +67,28 @@ class TopologyMismatchError(HopschedError):
         broker_text: str,
         *,
         kind: str = "queue",
+        fix: str | None = None,
     ) -> None:
         self.queue = queue
         self.argument = argument
         self.wanted = wanted
         self.existing = existing
         self.broker_text = broker_text
+        if fix is None:
+            fix = (
+                "use the same settings as the processes already running on this prefix "
+                f"(queue type, ladder), or pick another --prefix, or delete the {kind} once "
+                "it is empty"
+                + (
+                    f" (rabbitmqctl delete_queue {queue}; its messages are lost)"
+                    if kind == "queue"
+                    else ""
+                )
+            )
         super().__init__(
             f"{kind} {queue!r} already exists with {argument}={existing}, but this "
-            f"configuration declares {argument}={wanted}. Fix: use the same settings as "
-            f"the processes already running on this prefix (queue type, ladder), or pick "
-            f"another --prefix, or delete the {kind} once it is empty"
-            + (
-                f" (rabbitmqctl delete_queue {queue}; its messages are lost)"
-                if kind == "queue"
-                else ""
-            )
-            + f". Broker said: {broker_text}"
+            f"configuration declares {argument}={wanted}. Fix: {fix}. Broker said: "
+            f"{broker_text}"
         )
 
 
@@ -82,8 +97,53 @@ class AccessRefusedError(HopschedError):
 
 
 class BrokerUnavailableError(HopschedError, ConnectionError):
-    """The broker could not be reached or refused the login. The URL is shown masked."""
+    """No broker answered, or it refused the login. The URL is shown masked."""
+
+
+class BrokerConnectionLost(BrokerUnavailableError):
+    """The connection went while a call was in progress: the broker closed it (then
+    ``reply_code`` and ``reply_text`` say why), the network dropped it, or the broker
+    stopped answering (missed heartbeats).
+
+    A publish that was in flight may or may not have reached the broker.
+    """
+
+    def __init__(self, reason: str, reply_code: int = 0, reply_text: str = "") -> None:
+        super().__init__(reason)
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+
+
+class ChannelClosedError(HopschedError):
+    """The broker closed an AMQP channel (``channel.close``): e.g. 404 NOT_FOUND for a
+    missing exchange, 403 ACCESS_REFUSED, 406 PRECONDITION_FAILED
+    (https://www.rabbitmq.com/amqp-0-9-1-reference#constants)."""
+
+    def __init__(self, reply_code: int, reply_text: str, class_id: int = 0, method_id: int = 0):
+        super().__init__(f"{reply_code} {reply_text}")
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+        self.class_id = class_id
+        self.method_id = method_id
 
 
 class PublishRejectedError(HopschedError):
     """The broker did not accept a publish (negative confirm, or no route to the queue)."""
+
+
+class Unroutable(PublishRejectedError):
+    """The broker returned the message (``mandatory``): no queue is bound for its routing key."""
+
+
+class TargetRefused(PublishRejectedError):
+    """The broker closed the channel for this publish (missing exchange, access refused,
+    a property it refuses); the text gives the broker's reply."""
+
+
+class PublishTimeoutError(HopschedError, TimeoutError):
+    """No publisher confirm came within ``Settings.publish_timeout_s``: the broker is
+    blocking publishers (a memory or disk alarm), frozen, or unreachable.
+
+    The message may still be delivered: the broker may have taken it before the
+    deadline passed. Consumers de-duplicate on ``x-hopsched-id``.
+    """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BROKER_MAX_TTL_MS", "MAX_HOLD_MS", "Hold", "Hop", "Ladder"]
+__all__ = ["BROKER_MAX_TTL_MS", "MAX_HOLD_MS", "MAX_STEP_MS", "Hold", "Hop", "Ladder"]
 
 #: The longest a relay may hold a delivery unacked, far below RabbitMQ's
 #: ``consumer_timeout`` (30 min by default, https://www.rabbitmq.com/docs/consumers#acknowledgement-timeout).
@@ -18,6 +18,11 @@ MAX_HOLD_MS = 60_000
 #: RabbitMQ caps ``x-message-ttl`` at 10 years (RabbitMQ >= 3.10.2,
 #: https://www.rabbitmq.com/docs/ttl#per-queue-message-ttl).
 BROKER_MAX_TTL_MS = 315_360_000_000
+
+#: The largest top step, ms (about 49.7 days): every pending message comes by a relay at
+#: least this often, which the cancellation stream's retention relies on
+#: (``hopsched.cancel``); far below the broker's TTL cap.
+MAX_STEP_MS = 2**32
 
 US_PER_MS = 1_000
 
@@ -46,50 +51,52 @@ class Ladder:
 
     Args:
         min_step_ms: smallest step TTL in ms, a power of two.
-        max_step_ms: largest step TTL in ms, a power of two, at most
-            ``BROKER_MAX_TTL_MS``; longer delays reuse it as often as needed.
+        max_step_ms: largest step TTL in ms, a power of two, at most ``MAX_STEP_MS``
+            (2**32); longer delays reuse it as often as needed.
         hold_window_ms: remaining time (ms) at or below which the relay stops hopping
-            and waits in-process until the due time (1000: a timer is free, a hop costs
-            the broker a publish, a dead-lettering and a delivery).
+            and waits in-process until the due time (a timer is cheap, a hop costs the
+            broker a publish, a dead-lettering and a delivery); hops land at least half
+            of it before the due time, so a hop late by less than that is not late.
         hop_margin_ms: time (ms) kept in hand for one hop's overshoot (TTL expiry,
-            dead-lettering and delivery to the relay take 2.5-3 ms past the TTL on
-            this project's machine, ``shared/DESIGN.md``): a step is chosen only if
+            dead-lettering and delivery to the relay take 2.5-3 ms past the TTL on an
+            idle RabbitMQ 3.10 on two cores): a step is chosen only if
             ``step + margin <= remaining``, so a hop returns before the due time.
 
     Raises:
-        InvalidScheduleError: a step is not a power of two, the steps are out of order,
-            the top step exceeds the broker's TTL cap, or a window is negative.
+        InvalidSettingsError: a step is not a power of two, the steps are out of order,
+            the top step exceeds ``MAX_STEP_MS``, or a window is negative.
     """
 
     min_step_ms: int = 16
     max_step_ms: int = 2**32
-    hold_window_ms: int = 1000
+    hold_window_ms: int = 4000
     hop_margin_ms: int = 20
 
     def __post_init__(self) -> None:
-        from hopsched.errors import InvalidScheduleError
+        from hopsched.errors import InvalidSettingsError
 
         for name in ("min_step_ms", "max_step_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value):
-                raise InvalidScheduleError(
+                raise InvalidSettingsError(
                     f"{name}={value!r}: step TTLs must be powers of two in ms (e.g. 16, 1024)"
                 )
         if self.min_step_ms > self.max_step_ms:
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"min_step_ms={self.min_step_ms} is above max_step_ms={self.max_step_ms}: swap them"
             )
-        if self.max_step_ms > BROKER_MAX_TTL_MS:
-            raise InvalidScheduleError(
-                f"max_step_ms={self.max_step_ms} exceeds RabbitMQ's TTL cap of "
-                f"{BROKER_MAX_TTL_MS} ms: use 2**32 (about 49.7 days) or less"
+        if self.max_step_ms > MAX_STEP_MS:
+            raise InvalidSettingsError(
+                f"max_step_ms={self.max_step_ms}: use {MAX_STEP_MS} (2**32, about 49.7 "
+                "days) or less; longer delays reuse the top step, and cancellations are "
+                "kept for as long as it lasts"
             )
         for name in ("hold_window_ms", "hop_margin_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidScheduleError(f"{name}={value!r}: must be an integer >= 0 ms")
+                raise InvalidSettingsError(f"{name}={value!r}: must be an integer >= 0 ms")
         if self.longest_hold_ms > MAX_HOLD_MS:
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"the relay would hold messages unacked for up to {self.longest_hold_ms} ms "
                 f"(max of hold_window_ms and min_step_ms + hop_margin_ms); keep it at most "
                 f"{MAX_HOLD_MS} ms, far below RabbitMQ's consumer_timeout"
@@ -117,9 +124,13 @@ class Ladder:
     ) -> Hop | Hold:
         """Decide what to do with a message due at ``due_us`` when it is ``now_us``.
 
-        Returns ``Hop(step)`` for the largest step with ``step + hop_margin <= remaining``
-        while more than the hold window remains, else ``Hold(wait)`` with
-        ``wait = max(0, remaining)``. A hop never outlasts the remaining time, so
+        Returns ``Hop(step)`` while more than the hold window remains, else
+        ``Hold(wait)`` with ``wait = max(0, remaining)``. The step is the largest with
+        ``step + max(hop_margin, hold_window / 2) <= remaining``: a hop lands in the hold
+        window's second half, so one that comes back late by up to half the window is
+        still held until due, not late (a burst of thousands due at one instant comes
+        back over seconds as the broker dead-letters them). A hop never outlasts the
+        remaining time, so
         following the plan is never early; the remaining time at least halves per hop
         below the top step, so the plan terminates. ``hold_window_ms`` and
         ``hop_margin_ms`` override the ladder's own (the relay passes a hold window of 0
@@ -130,7 +141,7 @@ class Ladder:
         if remaining_us <= window_ms * US_PER_MS:
             return Hold(max(0, remaining_us))
         margin_ms = self.hop_margin_ms if hop_margin_ms is None else hop_margin_ms
-        budget_ms = (remaining_us - margin_ms * US_PER_MS) // US_PER_MS
+        budget_ms = (remaining_us - max(margin_ms, window_ms // 2) * US_PER_MS) // US_PER_MS
         if budget_ms < self.min_step_ms:
             return Hold(remaining_us)
         if budget_ms >= self.max_step_ms:

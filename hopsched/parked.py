@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
-import aiormq
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
+from hopsched import amqp
 from hopsched.connect import connect
 from hopsched.envelope import (
     HEADER_DUE,
@@ -28,14 +28,13 @@ from hopsched.envelope import (
     HEADER_PARKED_REASON,
     HEADER_PARKED_USER_ID,
     HEADER_ROUTING_KEY,
-    unparked_headers,
+    unparked_properties,
 )
 from hopsched.errors import HopschedError
-from hopsched.publisher import ConfirmedPublisher, with_properties
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
-__all__ = ["ParkedMessage", "ReplayResult", "list_parked", "replay_parked"]
+__all__ = ["ParkedListing", "ParkedMessage", "ReplayResult", "list_parked", "replay_parked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +67,29 @@ class ParkedMessage:
 
         return cls(
             schedule_id=get(HEADER_ID, str),
-            reason=get(HEADER_PARKED_REASON, str) or "(no reason recorded)",
+            reason=get(HEADER_PARKED_REASON, str) or _dead_letter_reason(headers),
             exchange=get(HEADER_EXCHANGE, str),
             routing_key=get(HEADER_ROUTING_KEY, str),
             due_us=get(HEADER_DUE, int),
             parked_at_us=get(HEADER_PARKED_AT, int),
             body_bytes=len(delivered.body),
         )
+
+
+def _dead_letter_reason(headers: Mapping[str, Any]) -> str:
+    """Why the broker itself moved a message here (``{prefix}.relay`` dead-letters into
+    the parking queue), from the ``x-first-death-*`` headers it adds."""
+    reason, queue = headers.get("x-first-death-reason"), headers.get("x-first-death-queue")
+    if reason == "delivery_limit":
+        return (
+            f"returned to {queue} more often than its delivery limit (relays crashed or "
+            "lost their connection while holding it)"
+        )
+    if reason == "rejected":
+        return f"a relay could not park it and handed it back to {queue} (see the relay's log)"
+    if reason:
+        return f"dead-lettered by the broker from {queue} ({reason})"
+    return "(no reason recorded)"
 
 
 @dataclass
@@ -85,22 +100,37 @@ class ReplayResult:
     left: dict[str, str]
 
 
-async def list_parked(settings: Settings, *, limit: int | None = None) -> list[ParkedMessage]:
+@dataclass(frozen=True, slots=True)
+class ParkedListing:
+    """What ``list_parked`` found: the messages read and how many were parked in all.
+
+    Attributes:
+        messages: the parked messages read, oldest first (at most the limit asked for).
+        total: the parked queue's depth when listing started.
+    """
+
+    messages: list[ParkedMessage]
+    total: int
+
+
+async def list_parked(settings: Settings, *, limit: int | None = None) -> ParkedListing:
     """The parked messages of ``settings.prefix``, oldest first, left in place.
 
     Each one listed is returned to the queue, which RabbitMQ 4.0-4.2 count as a
     delivery attempt of a quorum queue (https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling).
 
     Raises:
-        BrokerUnavailableError: cannot connect. HopschedError: no parked queue.
+        BrokerUnavailableError: cannot connect. TopologyMismatchError: the prefix's queues
+        exist with other arguments (e.g. another queue type). HopschedError: no parked
+        queue.
     """
     found: list[ParkedMessage] = []
-    async with _parked_messages(settings) as (_, messages):
+    async with _parked_messages(settings) as (_, total, messages):
         async for delivered in messages:
             found.append(ParkedMessage.from_delivery(delivered))
             if limit is not None and len(found) >= limit:
                 break
-    return found
+    return ParkedListing(found, total)
 
 
 async def replay_parked(settings: Settings, ids: Collection[str] | None) -> ReplayResult:
@@ -112,72 +142,70 @@ async def replay_parked(settings: Settings, ids: Collection[str] | None) -> Repl
     https://www.rabbitmq.com/docs/validated-user-id).
 
     Raises:
-        BrokerUnavailableError: cannot connect. HopschedError: no parked queue.
+        BrokerUnavailableError: cannot connect. TopologyMismatchError: the prefix's queues
+        exist with other arguments (e.g. another queue type). HopschedError: no parked
+        queue.
     """
     result = ReplayResult(replayed=[], left={})
     topology = Topology.from_settings(settings)
-    async with _parked_messages(settings) as (connection, messages):
-        publisher = ConfirmedPublisher(connection)
-        try:
-            async for delivered in messages:
-                parked = ParkedMessage.from_delivery(delivered)
-                name = parked.schedule_id or f"(no schedule id; {parked.reason})"
-                if ids is not None and parked.schedule_id not in ids:
-                    continue  # returned to the queue when the channel closes
-                properties = delivered.header.properties
-                headers = properties.headers or {}
-                user_id = headers.get(HEADER_PARKED_USER_ID)
-                if user_id is not None and user_id != settings.login:
-                    result.left[name] = (
-                        f"its user_id is {user_id!r}: replay it logged in as that user"
-                    )
-                    continue
-                await publisher.publish(
-                    delivered.body,
-                    _replay_properties(properties, user_id),
-                    exchange="",
-                    routing_key=topology.relay_queue,
-                )
-                await delivered.channel.basic_ack(delivered.delivery_tag or 0)
-                result.replayed.append(name)
-        finally:
-            await publisher.close()
+    async with (
+        _parked_messages(settings) as (connection, _, messages),
+        connection.channel(publisher_confirms=True) as channel,
+    ):
+        publisher = await channel.get_underlay_channel()
+        async for delivered in messages:
+            parked = ParkedMessage.from_delivery(delivered)
+            name = parked.schedule_id or f"(no schedule id; {parked.reason})"
+            if ids is not None and parked.schedule_id not in ids:
+                continue  # returned to the queue when the channel closes
+            properties = delivered.header.properties
+            user_id = (properties.headers or {}).get(HEADER_PARKED_USER_ID)
+            if user_id is not None and user_id != settings.login:
+                result.left[name] = f"its user_id is {user_id!r}: replay it logged in as that user"
+                continue
+            replayed = unparked_properties(amqp.Properties.from_pamqp(properties))
+            confirm = await publisher.basic_publish(
+                delivered.body,
+                exchange="",
+                routing_key=topology.relay_queue,
+                properties=replayed.to_pamqp(),
+                mandatory=True,
+            )
+            if not isinstance(confirm, Basic.Ack):
+                result.left[name] = f"the broker refused the replay ({confirm!r})"
+                continue
+            await delivered.channel.basic_ack(delivered.delivery_tag or 0)
+            result.replayed.append(name)
     return result
-
-
-def _replay_properties(properties: Basic.Properties, user_id: Any) -> Basic.Properties:
-    return with_properties(
-        properties, headers=unparked_headers(properties.headers), user_id=user_id
-    )
 
 
 @contextlib.asynccontextmanager
 async def _parked_messages(
     settings: Settings,
-) -> AsyncIterator[tuple[aio_pika.abc.AbstractConnection, AsyncIterator[DeliveredMessage]]]:
-    """Connect and yield an iterator of ``basic.get`` deliveries (unacked) of the parked
-    queue; closing returns every unacked one to the queue."""
-    queue = Topology.from_settings(settings).parked_queue
+) -> AsyncIterator[tuple[aio_pika.abc.AbstractConnection, int, AsyncIterator[DeliveredMessage]]]:
+    """Connect, check the prefix's queues (declaring nothing), and yield the parked queue's
+    depth and an iterator of its ``basic.get`` deliveries (unacked); closing returns every
+    unacked one to the queue."""
+    topology = Topology.from_settings(settings)
+    queue = topology.parked_queue
     connection = await connect(settings, name="hopsched-parked")
     async with connection:
-        channel = await connection.channel(publisher_confirms=False)
-        getter = await channel.get_underlay_channel()
-        try:
-            ok = await getter.queue_declare(queue, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
+        depth = (await topology.inspect(connection))[queue]
+        if depth is None:
             raise HopschedError(
                 f"queue {queue!r} does not exist on {settings.masked_url}: nothing was ever "
                 "declared with this prefix (check --prefix / HOPSCHED_PREFIX)"
-            ) from None
-        total = ok.message_count or 0
+            )
+        channel = await connection.channel(publisher_confirms=False)
+        getter = await channel.get_underlay_channel()
 
         async def messages() -> AsyncIterator[DeliveredMessage]:
             # At most the count seen at the start: a message parked meanwhile, or one
             # returned by a replay that failed, is not read twice.
-            for _ in range(total):
+            for _ in range(depth.messages):
                 delivered = await getter.basic_get(queue, no_ack=False)
                 if not isinstance(delivered.delivery, Basic.GetOk):
                     return
                 yield delivered
 
-        yield connection, messages()
+        yield connection, depth.messages, messages()

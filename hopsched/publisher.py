@@ -1,182 +1,320 @@
-"""Confirmed, mandatory publishing that survives the broker closing a channel.
+"""Confirmed, mandatory publishing in which one refused message never takes others down.
 
-Shared by the Scheduler and the Relay. A publish returns only once the broker has
-confirmed it (publisher confirms, https://www.rabbitmq.com/docs/confirms); a
-``basic.return`` (no queue bound) raises ``Unroutable``.
+Shared by the Scheduler and the Relay. RabbitMQ answers some publishes by closing the
+channel they came on: 404 for a missing exchange, 403 for one the user may not write
+to, 406 for a property it refuses (an ``expiration`` it cannot parse, a ``user_id``
+that is not the login, a body above ``max_message_size``). Every other publish in
+flight on that channel then fails too, and the broker gives no way to tell which one
+caused the close.
 
-A publish to a missing exchange (404) or one the user may not write to (403) makes
-the broker close the channel. Every other publish in flight on that channel fails
-too, and aiormq may still write frames queued behind the close, which the broker
-answers by closing the whole connection (504 CHANNEL_ERROR). So a publish goes on
-the shared "fast" channel only to an exchange this publisher has already published
-to successfully; the first publish to any other exchange, and every publish whose
-channel was closed under it, goes one at a time on a "careful" channel, where a
-close can only be its own fault and becomes ``TargetRefused``.
+So publishes go through *lanes*, one channel each: the relay uses one lane for its
+hops and parking and one per target exchange, so a problem with one target cannot
+touch the ladder or another target. When the broker closes a lane's channel because
+of a publish (``channel.close`` naming ``basic.publish``), the publishes that were in
+flight on it are *suspects*: the lane sends them again one at a time on fresh
+channels until the one the broker refuses again is found. That one alone ends
+``CLOSED`` with the broker's reply; the others end as the broker confirms them
+(possibly a second copy of one that had reached its queue: consumers de-duplicate on
+``x-hopsched-id``). Publishes made meanwhile wait their turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
+import functools
+import logging
+import time
+from collections import deque
 from typing import Any
 
-import aio_pika
-import aiormq
-from pamqp.commands import Basic
+from hopsched import amqp
+from hopsched.amqp.wire import check_content_header
+from hopsched.errors import BrokerConnectionLost, ChannelClosedError
 
-from hopsched.errors import PublishRejectedError
+__all__ = ["LADDER_LANE", "Publisher", "target_lane"]
 
-__all__ = ["ConfirmedPublisher", "TargetRefused", "Unroutable", "with_properties"]
+log = logging.getLogger("hopsched.publisher")
 
-_CHANNEL_GONE = (aiormq.exceptions.ChannelClosed, aiormq.exceptions.ChannelInvalidStateError)
-
-
-class Unroutable(PublishRejectedError):
-    """The broker returned the message: no queue is bound for its routing key."""
-
-
-class TargetRefused(PublishRejectedError):
-    """The broker closed the channel for this publish (missing exchange, access refused)."""
+#: The lane of hops, parking and ``schedule()``'s publishes (all to the default
+#: exchange or ``{prefix}.expired``).
+LADDER_LANE = "ladder"
+_BASIC_PUBLISH = (60, 40)
+_REOPEN_DELAY_S = 0.1
+_CLOSE_TIMEOUT_S = 5.0  # a broker blocking the connection (an alarm) answers nothing
 
 
-_PROPERTY_NAMES = tuple(Basic.Properties.__slots__)
+def target_lane(exchange: str) -> str:
+    """The lane of final publishes to ``exchange``."""
+    return f"target:{exchange}"
 
 
-def with_properties(properties: Basic.Properties, **changes: Any) -> Basic.Properties:
-    """A copy of ``properties`` with ``changes`` applied (pamqp attribute names)."""
-    # On the relay's hot path: copying the slots directly takes 2.8 us here,
-    # copy.copy 6.7 us (it goes through __reduce_ex__).
-    result = Basic.Properties.__new__(Basic.Properties)
-    for name in _PROPERTY_NAMES:
-        setattr(result, name, getattr(properties, name, None))
-    for name, value in changes.items():
-        setattr(result, name, value)
-    return result
+class _Item:
+    __slots__ = ("body", "callback", "exchange", "properties", "routing_key")
 
-
-class ConfirmedPublisher:
-    """Publishes on one connection with publisher confirms and ``mandatory`` set.
-
-    aiormq matches a ``basic.return`` to its publish by ``message_id``, so two
-    publishes with the same ``message_id`` are never in flight at once here.
-    """
-
-    def __init__(self, connection: aio_pika.abc.AbstractConnection) -> None:
-        self._connection = connection
-        self._channels: dict[str, aio_pika.abc.AbstractChannel] = {}
-        self._open_lock = asyncio.Lock()
-        self._careful_lock = asyncio.Lock()
-        self._in_flight: dict[str, asyncio.Future[None]] = {}
-        # Exchanges a publish has reached on this connection; the default one always exists.
-        self._proven_exchanges: set[str] = {""}
-
-    async def _channel(self, role: str) -> aiormq.abc.AbstractChannel:
-        channel = self._channels.get(role)
-        if channel is None or channel.is_closed:
-            async with self._open_lock:
-                channel = self._channels.get(role)
-                if channel is None or channel.is_closed:
-                    channel = await self._connection.channel(
-                        publisher_confirms=True, on_return_raises=True
-                    )
-                    self._channels[role] = channel
-        return await channel.get_underlay_channel()
-
-    async def publish(
-        self, body: bytes, properties: Basic.Properties, *, exchange: str, routing_key: str
-    ) -> None:
-        """Publish and wait for the broker's confirm.
-
-        Args:
-            body: message body, bytes.
-            properties: AMQP basic properties; a missing ``message_id`` is filled in
-                (aiormq would do so anyway).
-
-        Raises:
-            Unroutable: returned by the broker (no binding for the routing key).
-            TargetRefused: the broker closed the channel for this publish (404 no such
-                exchange, 403 access refused, 406 e.g. a ``user_id`` that is not the
-                login user); the text says which.
-            PublishRejectedError: the broker nacked it.
-            aiormq.exceptions.AMQPConnectionError: the connection is gone.
-        """
-        if not properties.message_id:
-            properties = with_properties(properties, message_id=uuid.uuid4().hex)
-        message_id: str = properties.message_id or ""
-        while (previous := self._in_flight.get(message_id)) is not None:
-            await previous
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._in_flight[message_id] = done
-        try:
-            if exchange in self._proven_exchanges:
-                try:
-                    channel = await self._channel("fast")
-                    await self._publish_on(channel, body, properties, exchange, routing_key)
-                    return
-                except _CHANNEL_GONE:
-                    pass  # some publish closed the shared channel: was it this one?
-            await self._publish_carefully(body, properties, exchange, routing_key)
-        finally:
-            del self._in_flight[message_id]
-            done.set_result(None)
-
-    async def _publish_carefully(
-        self, body: bytes, properties: Basic.Properties, exchange: str, routing_key: str
-    ) -> None:
-        async with self._careful_lock:
-            channel = await self._channel("careful")
-            try:
-                await self._publish_on(channel, body, properties, exchange, routing_key)
-            except Unroutable:
-                self._proven_exchanges.add(exchange)  # it exists: the return says so
-                raise
-            except aiormq.exceptions.ChannelClosed as error:
-                self._proven_exchanges.discard(exchange)
-                raise TargetRefused(_describe(error, exchange, routing_key)) from None
-            self._proven_exchanges.add(exchange)
-
-    @staticmethod
-    async def _publish_on(
-        channel: aiormq.abc.AbstractChannel,
-        body: bytes,
-        properties: Basic.Properties,
+    def __init__(
+        self,
         exchange: str,
         routing_key: str,
+        body: bytes,
+        properties: bytes,
+        callback: amqp.ConfirmCallback,
     ) -> None:
-        try:
-            confirmation = await channel.basic_publish(
-                body,
-                exchange=exchange,
-                routing_key=routing_key,
-                properties=properties,
-                mandatory=True,
-            )
-        except aiormq.exceptions.PublishError as error:
-            frame: Basic.Return = error.frame  # type: ignore[assignment]
-            raise Unroutable(
-                f"returned by the broker ({frame.reply_code} {frame.reply_text}): no queue "
-                f"is bound to exchange {exchange!r} for routing key {routing_key!r}"
-            ) from None
-        if not isinstance(confirmation, Basic.Ack):
-            raise PublishRejectedError(
-                f"the broker nacked the publish to exchange {exchange!r}, routing key "
-                f"{routing_key!r} (queue full with x-overflow=reject-publish, or an "
-                f"internal error)"
-            )
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.body = body
+        self.properties = properties
+        self.callback = callback
+
+
+class _Lane:
+    __slots__ = (
+        "channel",
+        "in_flight",
+        "key",
+        "last_used",
+        "opening",
+        "probing",
+        "suspects",
+        "waiting",
+    )
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.channel: amqp.Channel | None = None
+        self.opening = False
+        self.waiting: deque[_Item] = deque()
+        self.in_flight: dict[int, _Item] = {}
+        self.suspects: deque[_Item] = deque()
+        self.probing: _Item | None = None
+        self.last_used = time.monotonic()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.in_flight or self.suspects or self.probing)
+
+
+class Publisher:
+    """Publishes on ``connection`` with publisher confirms and ``mandatory`` set.
+
+    Args:
+        max_lanes: channels it keeps open at most; the least recently used idle lane
+            is closed to open another.
+    """
+
+    def __init__(self, connection: amqp.Connection, *, max_lanes: int = 512) -> None:
+        self.connection = connection
+        self._lanes: dict[str, _Lane] = {}
+        self._max_lanes = min(max_lanes, connection.channel_max - 8)
+        self._ids = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        connection.closed.add_done_callback(self._connection_closed)
+
+    @property
+    def in_flight(self) -> int:
+        """Publishes not yet confirmed, waiting ones included."""
+        return sum(
+            len(lane.waiting) + len(lane.in_flight) + len(lane.suspects) + bool(lane.probing)
+            for lane in self._lanes.values()
+        )
+
+    def publish(
+        self,
+        lane: str,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: bytes,
+        callback: amqp.ConfirmCallback,
+    ) -> None:
+        """Publish on ``lane``; ``callback(outcome, detail)`` runs once the broker has
+        answered (``amqp.Outcome``: ACK, NACK, RETURNED with a ``Returned``, or CLOSED
+        with the error: a ``ChannelClosedError`` for this publish alone, or
+        ``BrokerConnectionLost``).
+
+        Args:
+            properties: encoded (``amqp.Properties.encode()``).
+
+        Raises:
+            ValueError: the properties do not fit in one frame (nothing was sent).
+            BrokerConnectionLost: the connection is gone (nothing was sent).
+        """
+        if self.connection.closed.done():
+            lost = self.connection.closed.result()
+            raise BrokerConnectionLost(str(lost), lost.reply_code, lost.reply_text)
+        check_content_header(properties, self.connection.frame_max)
+        item = _Item(exchange, routing_key, body, properties, callback)
+        state = self._lanes.get(lane) or self._new_lane(lane)
+        state.last_used = time.monotonic()
+        channel = state.channel
+        if (
+            channel is not None
+            and channel.is_open
+            and not state.waiting
+            and not state.suspects
+            and state.probing is None
+        ):
+            self._send(state, item)
+        else:
+            state.waiting.append(item)
+            self._open(state)
+
+    def open(self, lane: str) -> None:
+        """Open ``lane``'s channel now, in the background, if it is not open: a publish
+        held for a due time then finds it ready (opening one takes two round trips)."""
+        state = self._lanes.get(lane)
+        if state is None:
+            state = self._new_lane(lane)
+        if state.channel is None and not self.connection.closed.done():
+            self._open(state)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            if not channel.is_closed:
-                await channel.close()
-        self._channels.clear()
+        """Stop: lanes still opening are cancelled (closing the connection closes the rest)."""
+        for task in list(self._tasks):
+            task.cancel()
 
+    # --- lanes -----------------------------------------------------------------------------
 
-def _describe(error: aiormq.exceptions.ChannelClosed, exchange: str, routing_key: str) -> str:
-    text = error.args[0] if error.args else str(error)
-    if isinstance(error, aiormq.exceptions.ChannelNotFoundEntity):
-        what = f"target exchange {exchange!r} does not exist"
-    elif isinstance(error, aiormq.exceptions.ChannelAccessRefused):
-        what = f"access refused to exchange {exchange!r}"
-    else:
-        what = f"the broker refused the publish to {exchange!r}/{routing_key!r}"
-    return f"{what} (broker: {text})"
+    def _new_lane(self, key: str) -> _Lane:
+        if len(self._lanes) >= self._max_lanes:
+            idle = sorted(
+                (lane for lane in self._lanes.values() if lane.idle and not lane.opening),
+                key=lambda lane: lane.last_used,
+            )
+            for lane in idle[: max(1, len(self._lanes) - self._max_lanes + 1)]:
+                del self._lanes[lane.key]
+                if lane.channel is not None:
+                    self._spawn(asyncio.wait_for(lane.channel.close(), _CLOSE_TIMEOUT_S))
+        lane = _Lane(key)
+        self._lanes[key] = lane
+        return lane
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _open(self, lane: _Lane) -> None:
+        if not lane.opening:
+            lane.opening = True
+            self._spawn(self._open_channel(lane))
+
+    async def _open_channel(self, lane: _Lane) -> None:
+        while True:
+            try:
+                channel = await self.connection.channel()
+                await channel.confirm_select()
+                break
+            except BrokerConnectionLost as error:
+                lane.opening = False
+                self._fail(lane, error)
+                return
+            except ChannelClosedError as error:  # not a publish's doing: try again
+                log.warning("opening a channel for lane %s failed (%s)", lane.key, error)
+                await asyncio.sleep(_REOPEN_DELAY_S)
+        lane.opening = False
+        lane.channel = channel
+        self._resume(lane)
+
+    def _resume(self, lane: _Lane) -> None:
+        """Send what waits: suspects one at a time first, then the rest pipelined."""
+        if lane.channel is None or not lane.channel.is_open:
+            if lane.suspects or lane.waiting:
+                self._open(lane)
+            return
+        if lane.suspects:
+            if lane.probing is None:
+                self._probe(lane)
+            return
+        while lane.waiting and lane.channel is not None and not lane.suspects:
+            self._send(lane, lane.waiting.popleft())
+
+    def _send(self, lane: _Lane, item: _Item) -> None:
+        assert lane.channel is not None
+        self._ids += 1
+        key = self._ids
+        lane.in_flight[key] = item
+        try:
+            lane.channel.publish(
+                item.exchange,
+                item.routing_key,
+                item.body,
+                item.properties,
+                callback=functools.partial(self._settled, lane, key),
+            )
+        except (ChannelClosedError, BrokerConnectionLost):
+            # closed by the broker after the check above: wait for a fresh channel
+            lane.in_flight.pop(key, None)
+            lane.channel = None
+            lane.waiting.appendleft(item)
+            self._open(lane)
+
+    def _settled(self, lane: _Lane, key: int, outcome: amqp.Outcome, detail: Any) -> None:
+        item = lane.in_flight.pop(key, None)
+        if item is None:
+            return  # already a suspect
+        if outcome is amqp.Outcome.CLOSED and isinstance(detail, ChannelClosedError):
+            suspects = [item, *lane.in_flight.values()]
+            lane.in_flight.clear()
+            lane.channel = None
+            if (detail.class_id, detail.method_id) != _BASIC_PUBLISH:
+                lane.waiting.extendleft(reversed(suspects))  # not a publish's fault
+            elif len(suspects) == 1 and not lane.suspects:
+                item.callback(outcome, detail)  # it alone was in flight: it is the cause
+            else:
+                log.info(
+                    "the broker closed lane %s's channel (%s) with %d publishes in flight; "
+                    "sending them one at a time to find the one it refuses",
+                    lane.key,
+                    detail,
+                    len(suspects),
+                )
+                lane.suspects.extend(suspects)
+            self._resume(lane)
+            return
+        item.callback(outcome, detail)
+
+    # --- suspects --------------------------------------------------------------------------
+
+    def _probe(self, lane: _Lane) -> None:
+        assert lane.channel is not None
+        item = lane.suspects.popleft()
+        lane.probing = item
+        try:
+            lane.channel.publish(
+                item.exchange,
+                item.routing_key,
+                item.body,
+                item.properties,
+                callback=functools.partial(self._probed, lane, item),
+            )
+        except (ChannelClosedError, BrokerConnectionLost):
+            lane.probing = None
+            lane.suspects.appendleft(item)
+            lane.channel = None
+            self._open(lane)
+
+    def _probed(self, lane: _Lane, item: _Item, outcome: amqp.Outcome, detail: Any) -> None:
+        lane.probing = None
+        if outcome is amqp.Outcome.CLOSED and isinstance(detail, ChannelClosedError):
+            lane.channel = None
+            if (detail.class_id, detail.method_id) != _BASIC_PUBLISH:
+                lane.suspects.appendleft(item)  # not its fault: try it again
+                self._resume(lane)
+                return
+        item.callback(outcome, detail)
+        if not isinstance(detail, BrokerConnectionLost):
+            self._resume(lane)
+
+    # --- connection loss -------------------------------------------------------------------
+
+    def _fail(self, lane: _Lane, error: BaseException) -> None:
+        items = [*lane.suspects, *lane.waiting]
+        lane.suspects.clear()
+        lane.waiting.clear()
+        for item in items:
+            item.callback(amqp.Outcome.CLOSED, error)
+
+    def _connection_closed(self, closed: asyncio.Future[BrokerConnectionLost]) -> None:
+        error = closed.result()
+        for lane in self._lanes.values():
+            self._fail(lane, error)

@@ -1,75 +1,72 @@
-"""The relay: consume ``{prefix}.relay``, then hop, hold-and-deliver, or park.
+"""The relay: consume ``{prefix}.relay``; decide; publish a hop, a final delivery at the
+due time, or a parked copy; ack once the broker confirms.
 
-Reliability (``shared/DESIGN.md``): a delivery is acked only after the publish it
-leads to (next hop, final delivery or parking) is confirmed by the broker, so a
-crash duplicates, never loses. Deliveries are handled concurrently (aiormq runs
-each consumer callback as a task; ``prefetch`` bounds how many), and none waits
-longer than the hold window, so RabbitMQ's ``consumer_timeout`` is never reached.
+Reliability: a delivery is acked only after the publish it leads to is confirmed, so
+a crash duplicates, never loses. The relay never returns a delivery to its queue: what
+it cannot deliver is parked with a reason, a target that refuses a message gets it
+again after a back-off hop, and a message it cannot even park is handed back with
+``basic.nack(requeue=false)``, which ``{prefix}.relay`` dead-letters into the parking
+queue. Nothing waits unacked longer than the hold window, so RabbitMQ's
+``consumer_timeout`` is never reached.
+
+Deliveries are handled by callbacks inside the read that brought them (``hopsched.amqp``)
+and held ones by one timer (``Holds``), so a relayed message costs about 100 µs of CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-import aio_pika
-import aiormq
-from aiormq.abc import DeliveredMessage
-
+from hopsched import amqp
+from hopsched.acks import Acker
+from hopsched.cancel import CANCEL, Cancellations
+from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
-from hopsched.connect import connect
+from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
+from hopsched.decide import Cancel, Decider, Park
 from hopsched.envelope import (
+    HEADER_EXCHANGE,
+    HEADER_HOP_CLOCK,
     HEADER_HOP_EXPIRES,
-    HEADER_PARKED_USER_ID,
-    PERSISTENT,
+    HEADER_ID,
+    HEADER_ROUTING_KEY,
+    RELAY_CLOCK,
     Envelope,
-    delivery_headers,
-    hop_headers,
-    parked_headers,
+    delivery_properties,
+    hop_properties,
+    parked_properties,
+    retry_properties,
 )
-from hopsched.errors import BrokerUnavailableError, EnvelopeError
-from hopsched.ladder import US_PER_MS, Hold, Hop
+from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
+from hopsched.holds import Holds
+from hopsched.ladder import US_PER_MS, Hop
 from hopsched.overshoot import OvershootTracker
-from hopsched.publisher import ConfirmedPublisher, TargetRefused, Unroutable, with_properties
+from hopsched.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.settings import Settings
-from hopsched.stats import LatenessStats
-from hopsched.topology import Topology
+from hopsched.stats import RelayStats
+from hopsched.topology import CANCEL_RETENTION_US, Topology, declare_topology
 
-__all__ = ["Relay", "RelayTotals"]
+__all__ = ["Relay"]
 
 log = logging.getLogger("hopsched.relay")
 
-_CONNECTION_LOST = (aiormq.exceptions.AMQPConnectionError, ConnectionError, OSError)
-# Capped at 5 s: messages due during a broker outage wait for the next attempt after the
-# broker is back, so a 30 s cap made them up to 30 s late (F09); an attempt is one refused
-# TCP connect, cheap for any number of relays.
-_RECONNECT_FIRST_S, _RECONNECT_MAX_S = 0.5, 5.0
-_PARK_RETRY_S = 1.0
-_YIELD_US = 1_000  # the last stretch of a hold, waited by yielding (see _sleep_until)
-
-
-@dataclass
-class RelayTotals:
-    """Counts since the relay started, and lateness of its final publishes.
-
-    ``lateness`` is measured at the relay: publish confirmed - due time.
-    ``overshoot``: arrival of a hop at the relay - the instant its step's TTL ran out.
-    """
-
-    delivered: int = 0
-    hops: int = 0
-    parked: int = 0
-    lateness: LatenessStats = field(default_factory=LatenessStats)
-    overshoot: LatenessStats = field(default_factory=LatenessStats)
+_Outcome = Callable[[amqp.Outcome, Any], None]
+#: Bytes a held message costs beyond its body and properties (objects, timer entry).
+_HELD_OVERHEAD = 600
 
 
 class Relay:
-    """The relay daemon's loop. ``await relay.run()`` until ``await relay.stop()``.
+    """The relay daemon. ``await relay.run()`` until ``await relay.stop()``.
+
+    Attributes:
+        stats: counters and measurements (``RelayStats``); ``totals`` is the same.
 
     Raises (from ``run``):
         BrokerUnavailableError: the first connection fails (later losses are retried
@@ -78,377 +75,554 @@ class Relay:
     """
 
     def __init__(
-        self, settings: Settings | None = None, *, shutdown_timeout_s: float = 10.0
+        self,
+        settings: Settings | None = None,
+        *,
+        shutdown_timeout_s: float = 10.0,
+        clock: Callable[[], int] = now_us,
     ) -> None:
-        self.settings = settings or Settings()
-        self.topology = Topology.from_settings(self.settings)
-        self.totals = RelayTotals()
-        self._last_report = RelayTotals()  # counts at the last totals line, and its window
-        self._last_report_at = time.monotonic()
-        self._ladder = self.settings.ladder
-        self._targets = self.settings.target_policy
+        self.settings = settings = settings or Settings()
+        self.ladder = settings.ladder
+        self.topology = Topology.from_settings(settings)
+        self.stats = RelayStats()
+        self.clock = clock
+        self.decider = Decider(
+            self.ladder,
+            settings.login,
+            settings.target_policy,
+            int(settings.target_retry_s * 1_000_000),
+        )
+        self.overshoot = OvershootTracker()
+        self.cancellations = Cancellations(CANCEL_RETENTION_US)
+        self.cancel_reader = CancelReader(self.topology.cancel_stream, self.cancellations, clock)
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._stop_by = math.inf  # time.monotonic() by which run() returns once stopping
         self._stopping = asyncio.Event()
         self._consuming = asyncio.Event()
-        self._ever_consumed = False
-        self._handlers: set[asyncio.Task[Any]] = set()
-        self._held = 0  # deliveries waiting in-process for their due time
-        self._held_limit = max(1, self.settings.prefetch // 2)
-        self._overshoot = OvershootTracker()
+        self._reported_at = time.monotonic()
+        self._session: _Session | None = None
+
+    @property
+    def totals(self) -> RelayStats:
+        return self.stats
 
     async def wait_consuming(self) -> None:
         """Return once the relay is connected and consuming."""
         await self._consuming.wait()
 
     async def stop(self) -> None:
-        """Ask ``run()`` to stop: it cancels the consumer, finishes what it holds, returns."""
+        """Ask ``run()`` to stop: it stops consuming, releases what it holds when due,
+        and returns within the shutdown timeout; the rest stays unacked for the broker
+        to deliver again."""
+        if not self._stopping.is_set():
+            self._stop_by = time.monotonic() + self._shutdown_timeout_s
         self._stopping.set()
 
     async def run(self) -> None:
         """Consume until ``stop()``, reconnecting after a lost connection."""
         reporter = asyncio.create_task(self._report_periodically())
+        connections: AsyncIterator[amqp.Connection] = aiter(
+            Connector(self.settings, name="hopsched-relay")
+        )
+        served = 0
+        delay = RECONNECT_FIRST_S  # before trying again a session that never consumed
         try:
-            await self._run()
+            while (connection := await self._unless_stopping(anext(connections))) is not None:
+                served += 1
+                if served > 1:
+                    self.stats.reconnects += 1
+                try:
+                    self._session = _Session(self, connection)
+                    await self._session.serve()
+                except (BrokerUnavailableError, ChannelClosedError) as error:
+                    if self._consuming.is_set():  # lost mid-way: reconnect at once
+                        delay = RECONNECT_FIRST_S
+                        log.warning(
+                            "lost the connection to %s (%s); reconnecting",
+                            self.settings.masked_url,
+                            error,
+                        )
+                    else:  # connected but could not start (e.g. a queue is down)
+                        log.error("cannot relay yet: %s; trying again in %.1f s", error, delay)
+                        await connection.close(timeout_s=self._time_left(1.0))
+                        await self._unless_stopping(asyncio.sleep(delay))
+                        delay = min(delay * 2, RECONNECT_MAX_S)
+                finally:
+                    self._consuming.clear()
+                    await connection.close(timeout_s=self._time_left(1.0))
         finally:
             reporter.cancel()
-            if self._ever_consumed:
+            if served:
                 self._report()
                 log.info("relay stopped")
 
-    async def _run(self) -> None:
-        delay, failures, connected_before = _RECONNECT_FIRST_S, 0, False
-        while not self._stopping.is_set():
-            try:
-                connection = await self._unless_stopping(
-                    connect(self.settings, name="hopsched-relay")
-                )
-            except BrokerUnavailableError as error:
-                if not connected_before:
-                    raise  # a wrong URL at start is an error to report, not to retry
-                failures += 1
-                log.warning(
-                    "reconnect attempt %d failed: %s; next in %.1f s", failures, error, delay
-                )
-                await self._sleep_unless_stopping(delay)
-                delay = min(delay * 2, _RECONNECT_MAX_S)
-                continue
-            if connection is None:
-                return  # stopped while connecting
-            if failures:
-                log.info(
-                    "reconnected to %s after %d failed attempt(s)",
-                    self.settings.masked_url,
-                    failures,
-                )
-            delay, failures, connected_before = _RECONNECT_FIRST_S, 0, True
-            try:
-                await self._serve(connection)
-            except _CONNECTION_LOST as error:
-                log.warning(
-                    "lost the connection to %s (%s); reconnecting",
-                    self.settings.masked_url,
-                    error or type(error).__name__,
-                )
-            finally:
-                self._consuming.clear()
-                with contextlib.suppress(Exception):
-                    await connection.close()
-
-    async def _unless_stopping(
-        self, work: Coroutine[Any, Any, aio_pika.abc.AbstractConnection]
-    ) -> aio_pika.abc.AbstractConnection | None:
-        """``await work``, unless ``stop()`` comes first: then cancel it, return None."""
-        task = asyncio.create_task(work)
-        stopping = asyncio.create_task(self._stopping.wait())
+    async def _unless_stopping(self, work: Awaitable[Any]) -> Any:
+        """``await work``, unless ``stop()`` comes first: then cancel it and return None."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if task.done():
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            connection = await task
-            await connection.close()  # it connected just as we were cancelling
+        with contextlib.suppress(BaseException):
+            result = await task
+            if isinstance(result, amqp.Connection):  # it connected just as we cancelled
+                await result.close(timeout_s=self._time_left(1.0))
         return None
 
-    async def _sleep_unless_stopping(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+    def _time_left(self, at_most: float) -> float:
+        """Seconds a step of stopping may take: what the shutdown timeout leaves."""
+        return max(0.0, min(at_most, self._stop_by - time.monotonic()))
 
-    async def _serve(self, connection: aio_pika.abc.AbstractConnection) -> None:
-        await self.topology.declare(connection)
-        publisher = ConfirmedPublisher(connection)
-        channel = await connection.channel(publisher_confirms=False)
-        await channel.set_qos(prefetch_count=self.settings.prefetch)
-        consumer = await channel.get_underlay_channel()
-        lost = asyncio.Event()
-        connection.close_callbacks.add(lambda *_: lost.set())
-        channel.close_callbacks.add(lambda *_: lost.set())
+    async def _report_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.log_interval_s)
+            self._report()
 
-        async def on_delivery(delivered: DeliveredMessage) -> None:
-            await self._handle(consumer, publisher, delivered)
+    def _report(self) -> None:
+        now = time.monotonic()
+        since, self._reported_at = self._reported_at, now
+        self.cancellations.forget(self.clock())
+        session = self._session
+        self.stats.held = len(session.holds) if session is not None else 0
+        self.stats.in_flight = session.publisher.in_flight if session is not None else 0
+        for line in self.stats.report(now - since):
+            log.info("%s", line)
 
-        consume_ok = await consumer.basic_consume(self.topology.relay_queue, on_delivery)
-        self._consuming.set()
-        self._ever_consumed = True
+
+class _Final:
+    """A delivery ready for its final publish: its properties encoded when it arrived,
+    so that releasing a burst costs only the publishes."""
+
+    __slots__ = ("arrived_us", "delivery", "done", "envelope", "properties")
+
+    def __init__(self, delivery: amqp.Delivery, envelope: Envelope, arrived_us: int) -> None:
+        assert delivery.properties is not None
+        self.delivery = delivery
+        self.envelope = envelope
+        self.arrived_us = arrived_us
+        self.properties = delivery_properties(delivery.properties, envelope).encode()
+        self.done = False  # released (a reschedule may have queued it twice)
+
+
+class _Session:
+    """One connection's worth of relaying: consumer, publisher, holds and acks."""
+
+    def __init__(self, relay: Relay, connection: amqp.Connection) -> None:
+        self.relay = relay
+        self.settings = relay.settings
+        self.topology = relay.topology
+        self.stats = relay.stats
+        self.clock = relay.clock
+        self.connection = connection
+        self.publisher = Publisher(connection)
+        self.holds = Holds(self.clock, self._release, wall_timer=self.clock is now_us)
+        self.held_bytes = 0
+        prefetch = self.settings.prefetch
+        self.held_limit = max(1, prefetch - max(1, prefetch // 10))
+        self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
+        self.held_by_id: dict[str, list[_Final]] = {}
+        self._redeclaring: dict[str, asyncio.Future[None]] = {}
+
+    async def serve(self) -> None:
+        """Consume until the relay stops (then drain) or the connection goes (raised)."""
+        relay, topology = self.relay, self.topology
+        await declare_topology(self.settings)
+        lost_stream = await relay.cancel_reader.follow(
+            self.connection, self.publisher, self._record_read
+        )
+        channel = await self.connection.channel()
+        await channel.qos(self.settings.prefetch)
+        self.acker = Acker(channel)
+        cancelled = asyncio.Event()
+        tag = await channel.consume(topology.relay_queue, self._received, lambda _: cancelled.set())
+        relay._consuming.set()
         log.info(
             "relay consuming %s on %s (prefetch %d, %s ladder %d..%d ms)",
-            self.topology.relay_queue,
+            topology.relay_queue,
             self.settings.masked_url,
             self.settings.prefetch,
             self.settings.queue_type,
             self.settings.min_step_ms,
             self.settings.max_step_ms,
         )
-        stop_wait = asyncio.create_task(self._stopping.wait())
-        lost_wait = asyncio.create_task(lost.wait())
-        await asyncio.wait({stop_wait, lost_wait}, return_when=asyncio.FIRST_COMPLETED)
-        stop_wait.cancel()
-        lost_wait.cancel()
-        if lost.is_set():
-            raise ConnectionError("channel or connection closed by the broker")
-        await consumer.basic_cancel(consume_ok.consumer_tag or "")
-        await self._drain()
-        await publisher.close()
-
-    async def _drain(self) -> None:
-        """Let in-flight deliveries finish (each waits at most the hold window)."""
-        if not self._handlers:
-            return
-        log.info("finishing %d in-flight deliveries", len(self._handlers))
-        _, pending = await asyncio.wait(set(self._handlers), timeout=self._shutdown_timeout_s)
-        for task in pending:  # unacked: the broker redelivers them when the channel closes
-            task.cancel()
-
-    async def _handle(
-        self,
-        consumer: aiormq.abc.AbstractChannel,
-        publisher: ConfirmedPublisher,
-        delivered: DeliveredMessage,
-    ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        try:
-            await self._route(publisher, delivered)
-            await consumer.basic_ack(delivered.delivery_tag or 0)
-        except (*_CONNECTION_LOST, aiormq.exceptions.ChannelInvalidStateError):
-            pass  # unacked: redelivered after reconnect (at-least-once)
-        except Exception:
-            if consumer.is_closed:
-                return  # the connection went while this delivery was held: same as above
-            log.exception(
-                "could not relay or park a delivery; it stays on %s and comes back",
-                self.topology.relay_queue,
+        while True:
+            waits: dict[asyncio.Future[Any], str] = {
+                asyncio.ensure_future(relay._stopping.wait()): "stop",
+                asyncio.ensure_future(cancelled.wait()): "cancelled",
+                asyncio.ensure_future(asyncio.shield(self.connection.closed)): "lost",
+                asyncio.ensure_future(asyncio.shield(channel.closed)): "lost",
+                asyncio.ensure_future(asyncio.shield(lost_stream)): "lost",
+            }
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            reasons = {waits[task] for task in done}
+            if "lost" in reasons:
+                if self.connection.closed.done():
+                    raise self.connection.closed.result()
+                if channel.closed.done():
+                    raise channel.closed.result()
+                raise BrokerConnectionLost(  # its stream was deleted: start over
+                    f"the broker cancelled the reading of {self.topology.cancel_stream}"
+                )
+            if "stop" in reasons:
+                break
+            # The broker cancelled the consumer (e.g. the queue was deleted): declare the
+            # topology again and consume anew; deliveries held so far stay ours to ack.
+            log.warning("the broker cancelled the relay's consumer; declaring and consuming again")
+            cancelled.clear()
+            await declare_topology(self.settings)
+            tag = await channel.consume(
+                topology.relay_queue, self._received, lambda _: cancelled.set()
             )
-            await asyncio.sleep(_PARK_RETRY_S)  # no hot loop on a persistent failure
-            with contextlib.suppress(Exception):
-                await consumer.basic_nack(delivered.delivery_tag or 0, requeue=True)
-        finally:
-            self._handlers.discard(task)
+        await self._drain(channel, tag)
 
-    async def _route(self, publisher: ConfirmedPublisher, delivered: DeliveredMessage) -> None:
-        """Publish ``delivered`` onward (hop, final delivery or parking), confirmed."""
-        properties = delivered.header.properties
+    def _record_read(self, schedule_id: str) -> None:
+        self.stats.records += 1
+        for final in self.held_by_id.get(schedule_id, ()):
+            self._recheck_held(final)
+
+    async def _drain(self, channel: amqp.Channel, tag: str) -> None:
+        """Stop consuming and finish what is held and in flight, within the shutdown
+        timeout (a broker blocking this connection reads nothing, not even the cancel)."""
+        with contextlib.suppress(TimeoutError, BrokerConnectionLost, ChannelClosedError):
+            async with asyncio.timeout(self.relay._time_left(math.inf)):
+                await channel.cancel(tag)
+                if len(self.acker):
+                    log.info("finishing %d in-flight deliveries", len(self.acker))
+                await self.acker.settled()
+        self.acker.flush()
+        self.holds.cancel()  # the rest stays unacked: the broker delivers it again
+
+    # --- per delivery ----------------------------------------------------------------------
+
+    def _received(self, delivery: amqp.Delivery) -> None:
+        self.acker.received(delivery.delivery_tag)
         try:
-            envelope = Envelope.from_headers(properties.headers)
-        except EnvelopeError as error:
-            await self._park(publisher, delivered, f"malformed envelope: {error.reason}")
-            return
-        if properties.user_id is not None and properties.user_id != self.settings.login:
-            await self._park(
-                publisher,
-                delivered,
-                f"user_id {properties.user_id!r} is not this relay's login "
-                f"{self.settings.login!r}: RabbitMQ refuses to publish it "
-                "(https://www.rabbitmq.com/docs/validated-user-id); run the relay as that user",
-            )
-            return
-        if refusal := self._targets.refusal(envelope.exchange, envelope.routing_key):
-            await self._park(publisher, delivered, refusal)
-            return
-        arrived_us = now_us()
-        self._note_overshoot(properties.headers, arrived_us)
-        action = self._plan(envelope.due_us, arrived_us)
-        try:
-            if isinstance(action, Hop):
-                await self._hop(publisher, delivered, envelope, action.step_ms)
-            else:
-                self._held += 1
-                try:
-                    await _sleep_until(envelope.due_us)
-                finally:
-                    self._held -= 1
-                await self._deliver(publisher, delivered, envelope)
-        except (Unroutable, TargetRefused) as error:
-            await self._park(publisher, delivered, f"undeliverable: {error}")
-        except (TypeError, ValueError) as error:  # a header value pamqp cannot encode
-            await self._park(publisher, delivered, f"cannot re-encode the message: {error}")
+            self._route(delivery)
+        except Exception as error:  # a bug must cost one message a detour, not a slot
+            log.exception("the relay failed on a delivery (schedule id %s)", _schedule_id(delivery))
+            self._reject(delivery, f"the relay failed on it: {error!r}")
 
-    def _note_overshoot(self, headers: dict[str, Any] | None, arrived_us: int) -> None:
-        """Record how late a hop came back (``x-hopsched-hop-expires``), if it was one."""
-        expires_us = (headers or {}).get(HEADER_HOP_EXPIRES)
-        if not isinstance(expires_us, int) or isinstance(expires_us, bool):
+    def _route(self, delivery: amqp.Delivery) -> None:
+        properties = delivery.properties
+        if properties is None:
+            self._park_as_is(delivery)
             return
-        overshoot_us = arrived_us - expires_us
-        self.totals.overshoot.record(overshoot_us)
-        self._last_report.overshoot.record(overshoot_us)
-        # The margin is capped at the hold window anyway; clamping the sample keeps one
-        # absurd value (a relay down for hours) from pinning it there for minutes.
-        cap_us = self._ladder.hold_window_ms * US_PER_MS
-        self._overshoot.record(min(overshoot_us, cap_us), arrived_us)
-
-    def _plan(self, due_us: int, now: int) -> Hop | Hold:
-        """The ladder's plan, with the learned margin, unless half the prefetch is held."""
-        if self._held >= self._held_limit:
-            # Holding is free but takes a prefetch slot: hop whatever a step fits, with the
-            # configured margin, so slots free up for deliveries due now. (The learned one
-            # grows with the relay's own backlog and would keep them held.)
-            return self._ladder.plan(now_us=now, due_us=due_us, hold_window_ms=0)
-        margin_ms = self._overshoot.margin_ms(
-            now, floor_ms=self._ladder.hop_margin_ms, cap_ms=self._ladder.hold_window_ms
+        now = self.clock()
+        headers: Mapping[str, Any] = properties.headers or {}
+        self._measure_hop(headers, now)
+        ladder = self.relay.ladder
+        decision = self.relay.decider.decide(
+            headers,
+            properties.user_id,
+            now,
+            crowded=len(self.holds) >= self.held_limit or self.held_bytes >= self.held_bytes_limit,
+            margin_ms=self.relay.overshoot.margin_ms(
+                now, floor_ms=ladder.hop_margin_ms, cap_ms=ladder.hold_window_ms
+            ),
+            cancellations=self.relay.cancellations,
         )
-        return self._ladder.plan(now_us=now, due_us=due_us, hop_margin_ms=margin_ms)
+        if isinstance(decision, Park):
+            self._park(delivery, decision)
+            return
+        if isinstance(decision, Cancel):
+            self.stats.record_cancelled()
+            self.acker.done(delivery.delivery_tag)
+            return
+        envelope = decision.envelope
+        if isinstance(decision.plan, Hop):
+            self._hop(delivery, envelope, decision.plan.step_ms)
+            return
+        try:
+            final = _Final(delivery, envelope, now)
+        except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
+            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            return
+        if envelope.due_us <= now:
+            self._deliver(final)
+        else:
+            self._hold(final)
 
-    async def _hop(
+    def _hold(self, final: _Final) -> None:
+        self.held_bytes += _held_size(final.delivery)
+        self.holds.hold(final.envelope.due_us, final)
+        self.held_by_id.setdefault(final.envelope.schedule_id, []).append(final)
+        self.publisher.open(target_lane(final.envelope.exchange))
+
+    def _recheck_held(self, final: _Final) -> None:
+        """A record came for a held message: cancelled, it is acked now; rescheduled
+        earlier, it is held again for the new time (rescheduled later, its release finds
+        the new time and routes it again)."""
+        verdict = self.relay.cancellations.verdict(
+            final.envelope.schedule_id, final.envelope.created_us, final.envelope.due_us
+        )
+        if verdict == CANCEL:
+            self._release(final)
+        elif isinstance(verdict, int) and verdict < final.envelope.due_us:
+            self.holds.hold(verdict, final)
+
+    def _measure_hop(self, headers: Mapping[str, Any], now: int) -> None:
+        """A hop's overshoot (arrival - its TTL's end), from the relay's own stamps; from a
+        producer's stamp, the producer's clock offset (``RelayStats.record_clock_sample``)."""
+        expires = headers.get(HEADER_HOP_EXPIRES)
+        if type(expires) is not int:
+            return
+        sample = now - expires
+        clock = headers.get(HEADER_HOP_CLOCK)
+        if clock == RELAY_CLOCK:
+            self.stats.record_overshoot(sample)
+            # The margin is capped at the hold window anyway; clamping the sample keeps one
+            # absurd value (a relay down for hours) from pinning it there for minutes.
+            cap = self.settings.hold_window_ms * US_PER_MS
+            self.relay.overshoot.record(min(sample, cap), now)
+        elif isinstance(clock, str):
+            offset = self.stats.record_clock_sample(clock, sample)
+            if offset is not None:
+                log.warning(
+                    "producer %s's clock seems %+.1f s off the relay's: its due times are "
+                    "read by the relay's clock and shift by as much (run NTP on it)",
+                    clock,
+                    offset / 1_000_000,
+                )
+
+    def _release(self, final: _Final) -> None:
+        if final.done:
+            return
+        final.done = True
+        self.held_bytes -= _held_size(final.delivery)
+        envelope = final.envelope
+        held = self.held_by_id.get(envelope.schedule_id)
+        if held is not None:
+            held.remove(final)
+            if not held:
+                del self.held_by_id[envelope.schedule_id]
+        verdict = self.relay.cancellations.verdict(
+            envelope.schedule_id, envelope.created_us, envelope.due_us
+        )
+        if verdict is None:
+            self._deliver(final)
+        elif verdict == CANCEL:
+            self.stats.record_cancelled()
+            self.acker.done(final.delivery.delivery_tag)
+        else:  # rescheduled: route it again, for its new due time
+            self._route(final.delivery)
+
+    # --- publishing ------------------------------------------------------------------------
+
+    def _publish(
         self,
-        publisher: ConfirmedPublisher,
-        delivered: DeliveredMessage,
+        lane: str,
+        exchange: str,
+        routing_key: str,
+        delivery: amqp.Delivery,
+        properties: bytes,
+        outcome: _Outcome,
+    ) -> None:
+        try:
+            self.publisher.publish(
+                lane,
+                exchange,
+                routing_key,
+                delivery.body,
+                properties,
+                functools.partial(self._guarded, delivery, outcome),
+            )
+        except BrokerConnectionLost:
+            pass  # unacked: the broker delivers it again after the reconnect
+        except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
+            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+
+    def _hop(
+        self,
+        delivery: amqp.Delivery,
         envelope: Envelope,
         step_ms: int,
+        *,
+        retry: bool = False,
+        redeclared: bool = False,
     ) -> None:
-        await _forward(
-            publisher,
-            delivered,
-            exchange="",
-            routing_key=self.topology.step_queue(step_ms),
-            headers=hop_headers(
-                delivered.header.properties.headers,
-                envelope.hops + 1,
-                expires_us=now_us() + step_ms * US_PER_MS,
-            ),
-            expiration=None,
-            delivery_mode=PERSISTENT,
-        )
-        self.totals.hops += 1
+        assert delivery.properties is not None
+        now = self.clock()
+        expires = now + step_ms * US_PER_MS
+        try:
+            if retry:
+                properties = retry_properties(delivery.properties, envelope, expires, now)
+            else:
+                properties = hop_properties(delivery.properties, envelope, expires)
+            encoded = properties.encode()
+        except (ValueError, TypeError) as error:
+            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            return
+        queue = self.topology.step_queue(step_ms)
 
-    async def _deliver(
-        self, publisher: ConfirmedPublisher, delivered: DeliveredMessage, envelope: Envelope
+        def hopped(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is amqp.Outcome.ACK:
+                self.stats.record_hop(retry=retry)
+                self.acker.done(delivery.delivery_tag)
+            elif outcome is amqp.Outcome.RETURNED and not redeclared:
+                # The step queue is gone (an operator, an expires policy): declare it again.
+                self._after_redeclare(
+                    queue,
+                    lambda: self._hop(delivery, envelope, step_ms, retry=retry, redeclared=True),
+                )
+            else:
+                self._not_published(delivery, f"hop to {queue}", outcome, detail)
+
+        self._publish(LADDER_LANE, "", queue, delivery, encoded, hopped)
+
+    def _deliver(self, final: _Final) -> None:
+        delivery, envelope, arrived = final.delivery, final.envelope, final.arrived_us
+        target = f"exchange {envelope.exchange!r} routing key {envelope.routing_key!r}"
+
+        def delivered(outcome: amqp.Outcome, detail: Any) -> None:
+            now = self.clock()
+            if outcome is amqp.Outcome.ACK:
+                self.stats.record_delivery(now - envelope.due_us, arrived - envelope.due_us)
+                self.acker.done(delivery.delivery_tag)
+            elif outcome is amqp.Outcome.RETURNED:
+                reason = f"unroutable: no queue is bound to {target} ({detail})"
+                self._park(delivery, Park(reason, "unroutable"))
+            elif outcome is amqp.Outcome.NACK:
+                refusal = f"the broker refused the publish to {target} (basic.nack: a full queue"
+                refusal += " with x-overflow=reject-publish, or an unavailable one)"
+                decision = self.relay.decider.after_refusal(envelope, now, refusal)
+                if isinstance(decision, Park):
+                    self._park(delivery, decision)
+                    return
+                if self.stats.first_problem(target, "refused: trying again after a back-off"):
+                    log.warning("%s; trying again in %d ms", refusal, decision.step_ms)
+                self._hop(delivery, envelope, decision.step_ms, retry=True)
+            elif isinstance(detail, ChannelClosedError):
+                self._park(delivery, Park(_refused(detail, envelope.exchange), "refused"))
+            # else: the connection is gone; unacked, the broker delivers it again
+
+        self._publish(
+            target_lane(envelope.exchange),
+            envelope.exchange,
+            envelope.routing_key,
+            delivery,
+            final.properties,
+            delivered,
+        )
+
+    def _park(self, delivery: amqp.Delivery, park: Park) -> None:
+        assert delivery.properties is not None
+        headers: Mapping[str, Any] = delivery.properties.headers or {}
+        target = f"{headers.get(HEADER_EXCHANGE)!r}/{headers.get(HEADER_ROUTING_KEY)!r}"
+        properties = parked_properties(delivery.properties, park.reason, self.clock())
+        self._publish_parked(delivery, properties.encode(), park, target)
+
+    def _park_as_is(self, delivery: amqp.Delivery) -> None:
+        """Park a delivery whose properties cannot be decoded, with them as received."""
+        park = Park(f"cannot decode its properties: {delivery.error}", "undecodable")
+        self._publish_parked(delivery, delivery.raw_properties, park, "an unknown target")
+
+    def _guarded(
+        self, delivery: amqp.Delivery, outcome: _Outcome, result: amqp.Outcome, detail: Any
     ) -> None:
-        await _forward(
-            publisher,
-            delivered,
-            exchange=envelope.exchange,
-            routing_key=envelope.routing_key,
-            headers=delivery_headers(delivered.header.properties.headers),
-            expiration=envelope.expiration,
-            delivery_mode=_callers_delivery_mode(envelope),
-        )
-        lateness_us = now_us() - envelope.due_us
-        self.totals.delivered += 1
-        self.totals.lateness.record(lateness_us)
-        self._last_report.lateness.record(lateness_us)
+        """Run ``outcome``; if it fails (a bug), hand the delivery back to be parked."""
+        try:
+            outcome(result, detail)
+        except Exception as error:
+            log.exception("the relay failed on a publish's outcome (%s)", result.value)
+            self._reject(delivery, f"the relay failed on it: {error!r}")
 
-    async def _park(
-        self, publisher: ConfirmedPublisher, delivered: DeliveredMessage, reason: str
+    def _publish_parked(
+        self,
+        delivery: amqp.Delivery,
+        properties: bytes,
+        park: Park,
+        target: str,
+        *,
+        redeclared: bool = False,
     ) -> None:
-        """Move a message to ``{prefix}.parked`` with the reason, target and due time.
+        def parked(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is amqp.Outcome.ACK:
+                self.stats.record_parked(park.kind)
+                self.acker.done(delivery.delivery_tag)
+                if self.stats.first_problem(target, f"parked ({park.kind})"):
+                    log.warning(
+                        "parked a message for %s (schedule id %s): %s",
+                        target,
+                        _schedule_id(delivery),
+                        park.reason,
+                    )
+            elif outcome is amqp.Outcome.RETURNED and not redeclared:
+                self._after_redeclare(  # the parking queue is gone: declare it again
+                    self.topology.parked_queue,
+                    lambda: self._publish_parked(
+                        delivery, properties, park, target, redeclared=True
+                    ),
+                )
+            elif not isinstance(detail, BrokerConnectionLost):
+                failure = f"{outcome.value} {detail or ''}".rstrip()
+                self._reject(delivery, f"{park.reason}; and parking it failed: {failure}")
 
-        The parked copy's ``user_id`` moves to header ``x-hopsched-user-id``: the broker
-        refuses a publish whose user_id is not the relay's own login.
-        """
-        properties = delivered.header.properties
-        headers = parked_headers(properties.headers, reason, now_us())
-        if properties.user_id is not None:
-            headers[HEADER_PARKED_USER_ID] = properties.user_id
-        await _forward(
-            publisher,
-            delivered,
-            exchange="",
-            routing_key=self.topology.parked_queue,
-            headers=_encodable(headers),
-            expiration=None,
-            delivery_mode=PERSISTENT,
-            user_id=None,
-        )
-        self.totals.parked += 1
-        log.warning(
-            "parked a message (schedule id %s): %s",
-            (properties.headers or {}).get("x-hopsched-id", "?"),
+        try:
+            self.publisher.publish(
+                LADDER_LANE,
+                "",
+                self.topology.parked_queue,
+                delivery.body,
+                properties,
+                functools.partial(self._guarded, delivery, parked),
+            )
+        except BrokerConnectionLost:
+            pass
+        except (ValueError, TypeError) as error:
+            self._reject(delivery, f"{park.reason}; and parking it failed: {error}")
+
+    def _not_published(
+        self, delivery: amqp.Delivery, what: str, outcome: amqp.Outcome, detail: Any
+    ) -> None:
+        if isinstance(detail, BrokerConnectionLost):
+            return
+        reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
+        self._park(delivery, Park(reason, "refused"))
+
+    def _reject(self, delivery: amqp.Delivery, reason: str) -> None:
+        """The last resort: the broker dead-letters it into the parking queue."""
+        self.stats.record_rejected()
+        self.acker.rejected(delivery.delivery_tag)
+        log.error(
+            "could not park a message (schedule id %s): %s; handed back to %s to "
+            "dead-letter into %s",
+            _schedule_id(delivery),
             reason,
+            self.topology.relay_queue,
+            self.topology.parked_queue,
         )
 
-    async def _report_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.log_interval_s)
-            if self._ever_consumed:
-                self._report()
-
-    def _report(self) -> None:
-        """Log the last interval's counts and lateness, and the totals since start."""
-        now, last = self.totals, self._last_report
-        log.info(
-            "last %.0f s: delivered=%d hops=%d parked=%d %s, hop overshoot %s; "
-            "since start: delivered=%d hops=%d parked=%d",
-            time.monotonic() - self._last_report_at,
-            now.delivered - last.delivered,
-            now.hops - last.hops,
-            now.parked - last.parked,
-            last.lateness.summary(),
-            last.overshoot.summary().removeprefix("lateness "),
-            now.delivered,
-            now.hops,
-            now.parked,
-        )
-        self._last_report = RelayTotals(now.delivered, now.hops, now.parked)
-        self._last_report_at = time.monotonic()
+    def _after_redeclare(self, queue: str, then: Callable[[], None]) -> None:
+        """Declare ``queue`` again (deleted at runtime: an operator, an ``expires``
+        policy), then run ``then``; one declare at a time per queue."""
+        pending = self._redeclaring.get(queue)
+        if pending is None:
+            log.warning("queue %s is missing; declaring it again", queue)
+            pending = asyncio.ensure_future(declare_topology(self.settings, [queue]))
+            self._redeclaring[queue] = pending
+            pending.add_done_callback(lambda _: self._redeclaring.pop(queue, None))
+        pending.add_done_callback(lambda _: then())
 
 
-def _encodable(value: Any) -> Any:
-    """``value`` with what pamqp cannot encode made encodable (bytes become byte arrays)."""
-    if isinstance(value, bytes):
-        return bytearray(value)
-    if isinstance(value, dict):
-        return {k: _encodable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_encodable(v) for v in value]
-    return value
+def _held_size(delivery: amqp.Delivery) -> int:
+    return len(delivery.body) + len(delivery.raw_properties) + _HELD_OVERHEAD
 
 
-async def _forward(
-    publisher: ConfirmedPublisher,
-    delivered: DeliveredMessage,
-    *,
-    exchange: str,
-    routing_key: str,
-    **changes: Any,
-) -> None:
-    """Publish ``delivered``'s body and properties, with ``changes``, confirmed."""
-    await publisher.publish(
-        delivered.body,
-        with_properties(delivered.header.properties, **changes),
-        exchange=exchange,
-        routing_key=routing_key,
-    )
+def _schedule_id(delivery: amqp.Delivery) -> str:
+    headers = delivery.properties.headers if delivery.properties is not None else None
+    value = headers.get(HEADER_ID) if headers is not None else None
+    return value if isinstance(value, str) else "?"
 
 
-def _callers_delivery_mode(envelope: Envelope) -> int | None:
-    """The delivery mode the caller gave: the envelope records it only when not 2."""
-    if envelope.delivery_mode is None:
-        return PERSISTENT
-    return envelope.delivery_mode or None
-
-
-async def _sleep_until(due_us: int) -> None:
-    """Sleep until the wall clock reads ``due_us``; re-checked, so never early.
-
-    asyncio's epoll wait rounds its timeout up to whole milliseconds (CPython's
-    ``select.epoll.poll``), so a plain timer fires 0-1 ms late, and later still when the
-    process has gone idle. The last ``_YIELD_US`` are waited by yielding to the event
-    loop, which goes on serving other deliveries meanwhile. Measured with
-    ``benchmarks/accuracy.py`` (300 held messages at 30/s): lateness p50 3.14 -> 2.20 ms,
-    p99 8.2 -> 5.5 ms, for no measurable CPU; at 500/s the relay used 8 % more CPU.
-    """
-    while (wait_us := due_us - now_us()) > _YIELD_US:  # noqa: ASYNC110 - a timer, not a poll
-        await asyncio.sleep((wait_us - _YIELD_US) / 1_000_000)
-    while due_us > now_us():  # noqa: ASYNC110 - sub-millisecond: the timer is too coarse
-        await asyncio.sleep(0)
+def _refused(error: ChannelClosedError, exchange: str) -> str:
+    if error.reply_code == 404:
+        what = f"target exchange {exchange!r} does not exist"
+    elif error.reply_code == 403:
+        what = f"access refused to exchange {exchange!r}"
+    else:
+        what = f"the broker refused the publish to exchange {exchange!r}"
+    return f"undeliverable: {what} (broker: {error})"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, cast
 from urllib.parse import unquote, urlsplit
 
-from hopsched.errors import InvalidScheduleError
+from hopsched.errors import InvalidSettingsError
 from hopsched.ladder import Ladder
 from hopsched.targets import TargetPolicy
 
@@ -43,7 +43,7 @@ def mask_url(url: str) -> str:
 
 
 def _check_url(url: str) -> None:
-    """Raise InvalidScheduleError unless ``url`` is an amqp(s) URL with a host and valid port."""
+    """Raise InvalidSettingsError unless ``url`` is an amqp(s) URL with a host and valid port."""
     masked = mask_url(url)
     try:
         parts = urlsplit(url)
@@ -52,20 +52,20 @@ def _check_url(url: str) -> None:
         try:  # the parser's words may quote the password: take them from the masked URL
             urlsplit(masked).port  # noqa: B018
         except ValueError as error:
-            raise InvalidScheduleError(f"url {masked!r}: {error}") from None
-        raise InvalidScheduleError(
+            raise InvalidSettingsError(f"url {masked!r}: {error}") from None
+        raise InvalidSettingsError(
             f"url {masked!r}: the password holds '/', '#', '?' or '@'; percent-encode it "
             "(e.g. '/' as %2F)"
         ) from None
     if parts.scheme not in ("amqp", "amqps"):
-        raise InvalidScheduleError(f"url {mask_url(url)!r}: must start with amqp:// or amqps://")
+        raise InvalidSettingsError(f"url {mask_url(url)!r}: must start with amqp:// or amqps://")
     if not parts.hostname:
-        raise InvalidScheduleError(
+        raise InvalidSettingsError(
             f"url {mask_url(url)!r}: no host; write amqp://user:password@host:5672/vhost "
             "(percent-encode '/', '#', '?' and '@' in the password)"
         )
     if urlsplit(mask_url(url)).hostname != parts.hostname:
-        raise InvalidScheduleError(
+        raise InvalidSettingsError(
             f"url {mask_url(url)!r}: the password holds '/', '#', '?' or '@'; "
             "percent-encode it (e.g. '/' as %2F)"
         )
@@ -83,55 +83,79 @@ class Settings:
             two in ms.
         hold_window_ms: at or below this remaining time (ms) the relay waits in-process
             (a timer) instead of hopping (a publish, a dead-lettering and a delivery on the
-            broker); 1000 cut hops per message from 1.32 to 0.84 and lateness p50 from
-            1032 to 104 ms against 50, for 5,000 delays of 10 ms-10 s at 500/s
-            (``benchmarks/accuracy.py``). A relay holds at most half its prefetch.
+            broker), and hops land at least half of it before the due time. 4000: a burst
+            of 10,000 due at one instant arrives from 9 ms to 0.93 s late, against 0.73 to
+            2.9 s with 1000 (``benchmarks/accuracy.py --scenario burst``). A relay holds
+            at most nine tenths of its prefetch (``prefetch``) and ``hold_memory_mb``.
         hop_margin_ms: the least time (ms) kept in hand for one hop's overshoot; the
             relay widens it to 1.5 x the recent peak overshoot (``OvershootTracker``).
         queue_type: ``"quorum"`` (replicated, at-least-once dead-lettering; the default)
             or ``"classic"`` (the broker dead-letters at-most-once: a broker crash can lose
             messages, measured in tests/test_faults.py).
-        prefetch: unacknowledged deliveries a relay holds at once (AMQP ``basic.qos``).
+        prefetch: unacknowledged deliveries a relay takes at once (AMQP ``basic.qos``).
+            Each message it holds until due takes one, so this bounds a burst it can
+            hold: 20,000 holds a burst of 10,000 messages due at one instant and keeps a
+            tenth free for deliveries due now.
+        hold_memory_mb: the most message data (bodies and properties) a relay holds
+            in memory, MiB; past it, or past nine tenths of ``prefetch``, it hops what a
+            step fits instead of holding it.
+        publish_timeout_s: how long ``schedule()`` waits for the broker's confirm, s;
+            past it ``PublishTimeoutError`` (a broker blocking publishers under a memory
+            or disk alarm, or frozen). The message may still be delivered.
+        target_retry_s: how long the relay tries again a final publish its target
+            refuses (``basic.nack``: a full queue with ``x-overflow=reject-publish``)
+            before it parks the message, s; the waits double from 1 s to 32 s.
         log_interval_s: seconds between the relay's totals lines.
         allowed_targets: ``EXCHANGE/ROUTING-KEY`` glob patterns (see ``TargetPattern``);
             a message for any other target is refused by ``schedule()`` and parked by
             the relay, never published. Empty (the default): every target is allowed.
 
     Raises:
-        InvalidScheduleError: a value is out of range; the message says which and why.
+        InvalidSettingsError: a value is out of range; the message says which and why.
     """
 
     url: str = "amqp://guest:guest@localhost:5672/"
     prefix: str = "hopsched"
     min_step_ms: int = 16
     max_step_ms: int = 2**32
-    hold_window_ms: int = 1000
+    hold_window_ms: int = 4000
     hop_margin_ms: int = 20
     queue_type: QueueType = "quorum"
-    prefetch: int = 1000
+    prefetch: int = 20_000
+    hold_memory_mb: int = 256
+    publish_timeout_s: float = 30.0
+    target_retry_s: float = 300.0
     log_interval_s: float = 60.0
     allowed_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_url(self.url)
         if not _PREFIX.match(self.prefix) or self.prefix.startswith("amq."):
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-', "
                 "starting with a letter or digit and not with 'amq.' (reserved by RabbitMQ)"
             )
         if self.queue_type not in ("quorum", "classic"):
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"queue_type {self.queue_type!r}: must be 'quorum' or 'classic'"
             )
         if not 1 <= self.prefetch <= 65535:
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"prefetch {self.prefetch}: must be 1..65535 (AMQP basic.qos is 16 bits)"
             )
-        if not math.isfinite(self.log_interval_s) or self.log_interval_s <= 0:
-            raise InvalidScheduleError(f"log_interval_s {self.log_interval_s}: must be > 0")
+        for name in ("log_interval_s", "publish_timeout_s", "target_retry_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidSettingsError(f"{name} {value!r}: must be a number of seconds")
+            if not math.isfinite(value) or value <= 0:
+                raise InvalidSettingsError(f"{name} {value}: must be > 0 seconds")
+        if not 1 <= self.hold_memory_mb <= 1_048_576:
+            raise InvalidSettingsError(
+                f"hold_memory_mb {self.hold_memory_mb}: must be 1..1048576 MiB"
+            )
         self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
         if isinstance(self.allowed_targets, str):  # one pattern is not its characters
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"allowed_targets {self.allowed_targets!r}: give a tuple of patterns"
             )
         object.__setattr__(self, "allowed_targets", tuple(self.allowed_targets))
@@ -165,6 +189,14 @@ class Settings:
         return unquote(urlsplit(self.url).username or "guest")
 
     @property
+    def vhost(self) -> str:
+        """The virtual host the URL names, percent-decoded: ``/`` for a
+        URL whose path is empty or ``/``, else the path after its first ``/``
+        (``amqp://h/team%2Fa`` is vhost ``team/a``)."""
+        path = urlsplit(self.url).path
+        return unquote(path[1:]) if path not in ("", "/") else "/"
+
+    @property
     def masked_url(self) -> str:
         """The URL with its password replaced by ``***``."""
         return mask_url(self.url)
@@ -177,7 +209,7 @@ class Settings:
         is not None.
 
         Raises:
-            InvalidScheduleError: a variable does not parse as its field's type.
+            InvalidSettingsError: a variable does not parse as its field's type.
         """
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}
@@ -192,7 +224,7 @@ class Settings:
             try:
                 values[f.name] = kind(raw) if kind in (int, float) else raw
             except ValueError:
-                raise InvalidScheduleError(
+                raise InvalidSettingsError(
                     f"{_ENV}{f.name.upper()}={raw!r}: expected {kind.__name__}"
                 ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -1,12 +1,35 @@
-"""Lateness statistics: an HDR histogram of microseconds, reported in milliseconds."""
+"""What the relay counts and measures, and the lines it logs about it.
+
+``LatenessStats`` is an HDR histogram of microseconds reported in milliseconds;
+``RelayStats`` holds a relay's counters since it started, the current log interval's,
+the producers' clock offsets, and the problems it met per target, so that its log
+says each problem once per interval with a count instead of once per message.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 from hdrh.histogram import HdrHistogram
 
-__all__ = ["LatenessStats"]
+__all__ = [
+    "CLOCK_OFFSET_WARN_US",
+    "OVERDUE_AFTER_US",
+    "LatenessStats",
+    "RelayStats",
+]
 
 _HIGHEST_US = 7 * 24 * 3600 * 1_000_000  # a week; larger values are clamped to it
+
+#: A message reaching the relay more than this after its due time (µs) was overdue on
+#: arrival (scheduled in the past, replayed from the parking queue, or waiting while no
+#: relay ran): it is counted as ``overdue``, apart from the relay's own lateness.
+OVERDUE_AFTER_US = 1_000_000
+
+#: A producer whose clock seems this far (µs) from the relay's, either way, is warned
+#: about: its due times are read by the relay's clock, so they shift by its offset.
+CLOCK_OFFSET_WARN_US = 1_000_000
 
 
 class LatenessStats:
@@ -48,8 +71,149 @@ class LatenessStats:
     def summary(self) -> str:
         """``p50=… p99=… max=… ms`` for log lines."""
         if not self.count:
-            return "lateness n/a"
+            return "n/a"
         return (
-            f"lateness p50={self.percentile_ms(50):.1f} p99={self.percentile_ms(99):.1f} "
+            f"p50={self.percentile_ms(50):.1f} p99={self.percentile_ms(99):.1f} "
             f"max={self.max_ms:.1f} ms"
         )
+
+
+@dataclass
+class _Counts:
+    delivered: int = 0
+    overdue: int = 0
+    hops: int = 0
+    retries: int = 0
+    parked: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    lateness: LatenessStats = field(default_factory=LatenessStats)
+    overshoot: LatenessStats = field(default_factory=LatenessStats)
+
+
+@dataclass
+class RelayStats:
+    """A relay's counters and measurements.
+
+    Attributes:
+        delivered: final publishes confirmed; ``overdue`` of them arrived more than
+            ``OVERDUE_AFTER_US`` past due and are not in ``lateness``.
+        hops: hops published (passes through a step queue started by this relay).
+        retries: hops that wait for a target that refused the final publish.
+        parked: messages moved to the parking queue; ``parked_by_kind`` by cause.
+        rejected: deliveries handed back to the broker to dead-letter into the parking
+            queue because not even parking worked (``basic.nack``, requeue=false).
+        cancelled: messages dropped because their schedule was cancelled.
+        records: cancel and reschedule records read from ``{prefix}.cancelled``.
+        reconnects: connections opened after the first.
+        lateness: final publish confirmed - due time, µs, for messages on time.
+        overshoot: arrival of a hop - the instant its step's TTL ran out, µs (hops
+            stamped by a relay only).
+        clock_offsets: each producer's estimated clock offset from the relay's, µs
+            (positive: the producer's clock is ahead).
+        held, in_flight: messages waiting for their due time, and publishes awaiting
+            their confirm, now.
+    """
+
+    delivered: int = 0
+    overdue: int = 0
+    hops: int = 0
+    retries: int = 0
+    parked: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    records: int = 0
+    reconnects: int = 0
+    parked_by_kind: Counter[str] = field(default_factory=Counter)
+    lateness: LatenessStats = field(default_factory=LatenessStats)
+    overshoot: LatenessStats = field(default_factory=LatenessStats)
+    clock_offsets: dict[str, int] = field(default_factory=dict)
+    held: int = 0
+    in_flight: int = 0
+    _interval: _Counts = field(default_factory=_Counts)
+    _problems: Counter[tuple[str, str]] = field(default_factory=Counter)
+    _offset_samples: dict[str, int] = field(default_factory=dict)
+    _warned_offsets: set[str] = field(default_factory=set)
+
+    def record_delivery(self, lateness_us: int, arrived_late_us: int) -> None:
+        """A final publish confirmed ``lateness_us`` after the due time, of a message
+        that reached the relay ``arrived_late_us`` after it (negative: before)."""
+        self.delivered += 1
+        self._interval.delivered += 1
+        if arrived_late_us > OVERDUE_AFTER_US:
+            self.overdue += 1
+            self._interval.overdue += 1
+            return
+        self.lateness.record(lateness_us)
+        self._interval.lateness.record(lateness_us)
+
+    def record_hop(self, *, retry: bool = False) -> None:
+        self.hops += 1
+        self._interval.hops += 1
+        if retry:
+            self.retries += 1
+            self._interval.retries += 1
+
+    def record_overshoot(self, overshoot_us: int) -> None:
+        self.overshoot.record(overshoot_us)
+        self._interval.overshoot.record(overshoot_us)
+
+    def record_parked(self, kind: str) -> None:
+        self.parked += 1
+        self._interval.parked += 1
+        self.parked_by_kind[kind] += 1
+
+    def record_cancelled(self) -> None:
+        self.cancelled += 1
+        self._interval.cancelled += 1
+
+    def record_rejected(self) -> None:
+        self.rejected += 1
+        self._interval.rejected += 1
+
+    def first_problem(self, target: str, problem: str) -> bool:
+        """Count a problem with ``target``; True the first time in this log interval
+        (the caller logs it then; the interval's report gives the count)."""
+        key = (target, problem)
+        self._problems[key] += 1
+        return self._problems[key] == 1
+
+    def record_clock_sample(self, producer: str, sample_us: int) -> int | None:
+        """A first hop from ``producer`` reached the relay ``sample_us`` after the hop's
+        expiry by the producer's clock (its overshoot plus the clocks' offset).
+
+        The smallest sample of an interval estimates the offset (the overshoot is a few
+        ms at least). Returns the estimate (µs, positive: the producer is ahead) when it
+        first passes ``CLOCK_OFFSET_WARN_US`` in this interval, else None.
+        """
+        smallest = min(sample_us, self._offset_samples.get(producer, sample_us))
+        self._offset_samples[producer] = smallest
+        offset_us = -smallest
+        self.clock_offsets[producer] = offset_us
+        if abs(offset_us) > CLOCK_OFFSET_WARN_US and producer not in self._warned_offsets:
+            self._warned_offsets.add(producer)
+            return offset_us
+        return None
+
+    def report(self, interval_s: float) -> list[str]:
+        """The interval's log lines (totals, then each repeated problem), and a new interval."""
+        now, totals = self._interval, self
+        lines = [
+            f"last {interval_s:.0f} s: delivered={now.delivered} (overdue on arrival "
+            f"{now.overdue}) hops={now.hops} (retries {now.retries}) parked={now.parked} "
+            f"rejected={now.rejected} cancelled={now.cancelled} held={self.held} "
+            f"in_flight={self.in_flight}; "
+            f"lateness {now.lateness.summary()}, hop overshoot {now.overshoot.summary()}; "
+            f"since start: delivered={totals.delivered} hops={totals.hops} "
+            f"parked={totals.parked} reconnects={totals.reconnects}"
+        ]
+        lines += [
+            f"{count} messages for {target}: {problem}"
+            for (target, problem), count in sorted(self._problems.items())
+            if count > 1
+        ]
+        self._interval = _Counts()
+        self._problems.clear()
+        self._offset_samples.clear()
+        self._warned_offsets.clear()
+        return lines

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import lru_cache
 
-from hopsched.errors import InvalidScheduleError
+from hopsched.errors import InvalidSettingsError
 
 __all__ = ["TargetPattern", "TargetPolicy"]
 
@@ -32,10 +32,10 @@ class TargetPattern:
 
     @classmethod
     def parse(cls, text: str) -> TargetPattern:
-        """Raises InvalidScheduleError: ``text`` has no ``/``."""
+        """Raises InvalidSettingsError: ``text`` has no ``/``."""
         exchange, sep, routing_key = text.partition("/")
         if not sep:
-            raise InvalidScheduleError(
+            raise InvalidSettingsError(
                 f"allowed target {text!r}: write EXCHANGE/ROUTING-KEY globs, e.g. "
                 "'orders/timeout.*', or '/reminders' for the default exchange"
             )

@@ -2,23 +2,62 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
 import aiormq
+from pamqp.commands import Basic
 
-from hopsched.errors import AccessRefusedError, TopologyMismatchError
-from hopsched.ladder import Ladder
+from hopsched.connect import connect
+from hopsched.envelope import BROKER_DELIVERY_COUNT_HEADER
+from hopsched.errors import (
+    AccessRefusedError,
+    BrokerUnavailableError,
+    HopschedError,
+    TopologyMismatchError,
+)
+from hopsched.ladder import MAX_STEP_MS, Ladder
 from hopsched.settings import QueueType, Settings
 
-__all__ = ["DEAD_LETTER_ROUTING_KEY", "Permissions", "Topology"]
+__all__ = [
+    "CANCEL_RETENTION_US",
+    "DEAD_LETTER_ROUTING_KEY",
+    "PARKED_DELIVERY_LIMIT",
+    "RELAY_DELIVERY_LIMIT",
+    "Permissions",
+    "QueueDepth",
+    "Teardown",
+    "Topology",
+    "declare_topology",
+    "teardown_refusal",
+]
+
+log = logging.getLogger("hopsched.topology")
 
 #: Every step queue dead-letters with this routing key, whatever key the message had.
 DEAD_LETTER_ROUTING_KEY = "expired"
+
+#: How often a delivery may return to ``{prefix}.relay`` (relay crashes, lost connections
+#: while a relay held it) before the broker dead-letters it to ``{prefix}.parked``. Set
+#: explicitly: RabbitMQ >= 4.0 gives quorum queues a default of 20 and then *drops* the
+#: message unless a dead-letter exchange is set
+#: (https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling). The relay
+#: itself never returns a delivery to the queue.
+RELAY_DELIVERY_LIMIT = 100
+#: The same for ``{prefix}.parked``, where nothing should ever be dropped: listing the
+#: parked messages returns each to the queue, which RabbitMQ < 4.3 counts as a delivery.
+#: (-1, "unlimited" on 4.x, means "drop at the first return" on 3.10.)
+PARKED_DELIVERY_LIMIT = 1_000_000
+#: How long the cancellation stream keeps a record, µs: the top step (every pending
+#: message comes by a relay at least that often) and a day (``hopsched.cancel``).
+CANCEL_RETENTION_US = MAX_STEP_MS * 1000 + 86_400_000_000
+# Arguments added by hopsched 0.2; a queue declared before lacks them (see `upgrade`).
+_ADDED_IN_0_2 = frozenset({"x-delivery-limit", "x-dead-letter-exchange"})
 
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<arg>[^']+)' for (?P<kind>queue|exchange) '(?P<queue>[^']+)' "
@@ -57,16 +96,61 @@ class Permissions:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueDepth:
+    """A queue's ready messages and consumers, as its ``queue.declare-ok`` reports them."""
+
+    messages: int
+    consumers: int
+
+
+@dataclass
+class Teardown:
+    """What ``Topology.teardown`` did.
+
+    Attributes:
+        removed: queue and exchange names deleted, in order.
+        missing: names that did not exist (nothing to delete).
+        lost: messages deleted with each queue that held any (name -> count).
+    """
+
+    removed: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    lost: dict[str, int] = field(default_factory=dict)
+
+
+def teardown_refusal(
+    depths: Mapping[str, QueueDepth | None], records: str | None = None
+) -> str | None:
+    """Why a prefix's queues must not be deleted without ``force``: the queues that hold
+    messages or have consumers (a running relay would declare them again), or None.
+    ``records`` names the cancellation stream, whose records are no messages to lose."""
+    busy = [
+        f"{name} ({depth.messages} message(s), {depth.consumers} consumer(s))"
+        for name, depth in depths.items()
+        if depth is not None and ((depth.messages and name != records) or depth.consumers)
+    ]
+    if not busy:
+        return None
+    return (
+        f"not removed: {len(busy)} queue(s) in use: {', '.join(busy)}. Stop the relays and "
+        "let the messages be delivered (or replay or drop the parked ones), or use --force "
+        "to delete them with their messages"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Topology:
     """Names and arguments of the ladder's queues and exchange for one prefix.
 
     * step queues ``{prefix}.step.{ttl_ms}``: durable, ``x-message-ttl``, dead-lettered
       to ``{prefix}.expired`` with routing key ``expired``; no ``x-expires``, no length
       limit;
-    * direct exchange ``{prefix}.expired`` bound to queue ``{prefix}.relay``;
+    * direct exchange ``{prefix}.expired`` bound to queue ``{prefix}.relay``, which
+      dead-letters what it cannot keep (``RELAY_DELIVERY_LIMIT`` exceeded, or handed
+      back by a relay that could not even park it) to ``{prefix}.parked``;
     * queue ``{prefix}.parked`` for what the relay cannot deliver.
 
-    Quorum queues get ``x-dead-letter-strategy=at-least-once`` and
+    Quorum queues that dead-letter get ``x-dead-letter-strategy=at-least-once`` and
     ``x-overflow=reject-publish`` (required by that strategy,
     https://www.rabbitmq.com/docs/quorum-queues#dead-lettering; RabbitMQ >= 3.10).
     """
@@ -91,6 +175,10 @@ class Topology:
     def parked_queue(self) -> str:
         return f"{self.prefix}.parked"
 
+    @property
+    def cancel_stream(self) -> str:
+        return f"{self.prefix}.cancelled"
+
     def step_queue(self, step_ms: int) -> str:
         return f"{self.prefix}.step.{step_ms}"
 
@@ -106,7 +194,8 @@ class Topology:
         * write: publish to ``amq.default`` (hops, parking, targets on the default
           exchange), to ``{prefix}.expired`` (messages due at once) and to the target
           exchanges; bind ``{prefix}.relay``;
-        * read: consume ``{prefix}.relay``, get ``{prefix}.parked``, bind from
+        * read: consume ``{prefix}.relay`` and ``{prefix}.cancelled``, get
+          ``{prefix}.parked``, bind from
           ``{prefix}.expired``, and declare step queues: a queue with a dead-letter
           exchange needs read on itself and write on that exchange
           (https://www.rabbitmq.com/docs/dlx#security).
@@ -117,44 +206,72 @@ class Topology:
         prefix = re.escape(self.prefix) + r"\."
         targets = sorted({re.escape(name) for name in target_exchanges if name})
         write = "|".join([rf"{prefix}(expired|relay)", r"amq\.default", *targets])
-        own = rf"^{prefix}(step\.[0-9]+|expired|relay|parked)$"
+        own = rf"^{prefix}(step\.[0-9]+|expired|relay|parked|cancelled)$"
         return Permissions(configure=own, write=f"^({write})$", read=own)
 
     def _queue_arguments(self) -> dict[str, Any]:
-        if self.queue_type == "quorum":
-            return {"x-queue-type": "quorum"}
-        return {"x-queue-type": "classic"}
+        return {"x-queue-type": self.queue_type}
 
-    def step_arguments(self, step_ms: int) -> dict[str, Any]:
-        """Arguments of the step queue whose TTL is ``step_ms`` ms."""
-        arguments = self._queue_arguments()
-        arguments.update(
-            {
-                "x-message-ttl": step_ms,
-                "x-dead-letter-exchange": self.expired_exchange,
-                "x-dead-letter-routing-key": DEAD_LETTER_ROUTING_KEY,
-            }
-        )
+    def _dead_lettering(self, exchange: str, routing_key: str) -> dict[str, Any]:
+        arguments = {
+            "x-dead-letter-exchange": exchange,
+            "x-dead-letter-routing-key": routing_key,
+        }
         if self.queue_type == "quorum":
             arguments["x-dead-letter-strategy"] = "at-least-once"
             arguments["x-overflow"] = "reject-publish"
         return arguments
 
+    def step_arguments(self, step_ms: int) -> dict[str, Any]:
+        """Arguments of the step queue whose TTL is ``step_ms`` ms."""
+        return {
+            **self._queue_arguments(),
+            "x-message-ttl": step_ms,
+            **self._dead_lettering(self.expired_exchange, DEAD_LETTER_ROUTING_KEY),
+        }
+
+    def relay_arguments(self) -> dict[str, Any]:
+        """Arguments of ``{prefix}.relay``: dead-lettered to the parking queue (through the
+        default exchange), and for quorum an explicit delivery limit."""
+        arguments = {**self._queue_arguments(), **self._dead_lettering("", self.parked_queue)}
+        if self.queue_type == "quorum":
+            arguments["x-delivery-limit"] = RELAY_DELIVERY_LIMIT
+        return arguments
+
+    def parked_arguments(self) -> dict[str, Any]:
+        arguments = self._queue_arguments()
+        if self.queue_type == "quorum":
+            arguments["x-delivery-limit"] = PARKED_DELIVERY_LIMIT
+        return arguments
+
     def queues(self) -> dict[str, dict[str, Any]]:
-        """Every queue's name and declare arguments: steps, relay, parked."""
+        """Every queue's name and declare arguments: steps, relay, parked, the
+        cancellation stream."""
         queues = {self.step_queue(s): self.step_arguments(s) for s in self.ladder.steps}
-        queues[self.relay_queue] = self._queue_arguments()
-        queues[self.parked_queue] = self._queue_arguments()
+        queues[self.relay_queue] = self.relay_arguments()
+        queues[self.parked_queue] = self.parked_arguments()
+        queues[self.cancel_stream] = {
+            "x-queue-type": "stream",
+            "x-max-age": f"{CANCEL_RETENTION_US // 1_000_000}s",
+        }
         return queues
 
-    async def declare(self, connection: aio_pika.abc.AbstractConnection) -> None:
-        """Declare everything, idempotently (safe to run from every process).
+    def queues_but_stream(self) -> list[str]:
+        """The queues a scheduler needs to schedule: all but the cancellation stream."""
+        return [name for name in self.queues() if name != self.cancel_stream]
+
+    async def declare(
+        self, connection: aio_pika.abc.AbstractConnection, names: Iterable[str] | None = None
+    ) -> None:
+        """Declare everything (or only the queues in ``names``), idempotently: safe to run
+        from every process.
 
         Raises:
             TopologyMismatchError: a queue exists with other arguments (AMQP 406);
                 names the queue, the argument and the fix. Not worth retrying.
             AccessRefusedError: the user may not declare them (AMQP 403).
         """
+        wanted = None if names is None else set(names)
         declaring = self.expired_exchange
         async with connection.channel(publisher_confirms=False) as channel:
             try:
@@ -162,8 +279,11 @@ class Topology:
                     self.expired_exchange, aio_pika.ExchangeType.DIRECT, durable=True
                 )
                 for name, arguments in self.queues().items():
+                    if wanted is not None and name not in wanted:
+                        continue
                     declaring = name
                     queue = await channel.declare_queue(name, durable=True, arguments=arguments)
+                    log.debug("declared queue %s %s", name, arguments)
                     if name == self.relay_queue:
                         await queue.bind(exchange, routing_key=DEAD_LETTER_ROUTING_KEY)
             except aiormq.exceptions.ChannelPreconditionFailed as error:
@@ -175,6 +295,166 @@ class Topology:
                     f"its user needs configure, write and read permission on "
                     f"'^{re.escape(self.prefix)}\\.' (rabbitmqctl set_permissions)"
                 ) from None
+            except (aiormq.exceptions.AMQPError, ConnectionError) as error:
+                # e.g. 404 "home node ... is down or inaccessible" while a restarted node
+                # recovers its queues: worth trying again, as for a broker not answering
+                reason = f"declaring {declaring!r}: {error.args[0] if error.args else error!r}"
+                if declaring == self.cancel_stream:
+                    reason += (
+                        ". Relays wait for this stream: they deliver nothing before they "
+                        "have read the cancels. If it stays down after a crash of a "
+                        "RabbitMQ 3.10 node, see 'A stream down after a crash' in "
+                        "docs/operations.md"
+                    )
+                raise BrokerUnavailableError(reason) from None
+
+    async def upgrade(self, connection: aio_pika.abc.AbstractConnection) -> list[str]:
+        """Re-declare ``{prefix}.relay`` and ``{prefix}.parked`` with this version's
+        arguments, keeping every message; returns what it did, a line per queue.
+
+        For a queue declared by hopsched < 0.2 (no delivery limit, no dead-lettering
+        to the parking queue): its messages move to ``{queue}.upgrade`` (each published
+        there with a confirm before it is acked: a crash duplicates, never loses), the
+        queue is deleted and declared anew, and the messages move back. Expiring hops
+        land in the holding queue meanwhile. Run it with every relay stopped.
+
+        Raises:
+            HopschedError: a relay still consumes the queue.
+            TopologyMismatchError: the queue differs in something else too.
+        """
+        done = []
+        for name in (self.relay_queue, self.parked_queue):
+            try:
+                await self.declare(connection, [name])
+                done.append(f"{name}: up to date")
+                continue
+            except TopologyMismatchError as error:
+                if error.argument not in _ADDED_IN_0_2:
+                    raise
+            moved = await self._migrate(connection, name)
+            done.append(f"{name}: re-declared with this version's arguments, {moved} messages kept")
+        return done
+
+    async def _migrate(self, connection: aio_pika.abc.AbstractConnection, name: str) -> int:
+        hold = f"{name}.upgrade"
+        async with connection.channel() as channel:
+            current = await channel.declare_queue(name, passive=True)
+            consumers = current.declaration_result.consumer_count or 0
+            if consumers:
+                raise HopschedError(
+                    f"{consumers} consumer(s) on {name!r}: stop every relay of prefix "
+                    f"{self.prefix!r} before `hopsched upgrade`"
+                )
+            holding = await channel.declare_queue(
+                hold, durable=True, arguments=self._queue_arguments()
+            )
+            relay = name == self.relay_queue
+            if relay:  # hops expiring meanwhile wait in the holding queue
+                await holding.bind(self.expired_exchange, DEAD_LETTER_ROUTING_KEY)
+                await current.unbind(self.expired_exchange, DEAD_LETTER_ROUTING_KEY)
+            moved = await _move_all(channel, current, hold)
+        await self.declare(connection, [name])
+        async with connection.channel() as channel:
+            holding = await channel.declare_queue(hold, passive=True)
+            if relay:  # bound anew by declare(): a hop expiring now may arrive twice
+                await holding.unbind(self.expired_exchange, DEAD_LETTER_ROUTING_KEY)
+            await _move_all(channel, holding, name)
+        return moved
+
+    async def inspect(
+        self, connection: aio_pika.abc.AbstractConnection, *, check_arguments: bool = True
+    ) -> dict[str, QueueDepth | None]:
+        """Every queue's depth, None for a queue that does not exist; declares nothing new.
+
+        Args:
+            connection: an open connection.
+            check_arguments: redeclare each existing queue with this topology's arguments,
+                a no-op if they match, to detect a mismatch as ``declare()`` would.
+
+        Raises:
+            TopologyMismatchError: with ``check_arguments``, an existing queue has other
+                arguments (e.g. another queue type).
+            AccessRefusedError: the user may not declare them (AMQP 403).
+        """
+        depths: dict[str, QueueDepth | None] = {}
+        for name, arguments in self.queues().items():
+            channel = await connection.channel(publisher_confirms=False)
+            underlay = await channel.get_underlay_channel()
+            try:
+                ok = await underlay.queue_declare(name, passive=True)
+                if check_arguments:  # the queue exists: this creates nothing
+                    ok = await underlay.queue_declare(name, durable=True, arguments=arguments)
+                depths[name] = QueueDepth(ok.message_count or 0, ok.consumer_count or 0)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                depths[name] = None
+            except aiormq.exceptions.ChannelPreconditionFailed as error:
+                raise await self._explain(connection, name, error) from None
+            except aiormq.exceptions.ChannelAccessRefused as error:
+                raise AccessRefusedError(
+                    f"reading {name!r}: {error.args[0] if error.args else error}"
+                ) from None
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
+            log.debug("queue %s: %s", name, depths[name] or "missing")
+        return depths
+
+    async def teardown(
+        self, connection: aio_pika.abc.AbstractConnection, *, force: bool = False
+    ) -> Teardown:
+        """Delete every queue of ``queues()``, then the exchange; report missing ones.
+
+        Without ``force`` nothing is deleted while a queue holds messages or has
+        consumers (``teardown_refusal``). A message published between that check and
+        the delete is lost with its queue, and counted in ``Teardown.lost``.
+
+        Raises:
+            HopschedError: without ``force``, a queue is in use; names them all.
+            AccessRefusedError: the user may not delete them (AMQP 403).
+        """
+        depths = await self.inspect(connection, check_arguments=False)
+        refusal = teardown_refusal(depths, records=self.cancel_stream)
+        if refusal is not None and not force:
+            raise HopschedError(refusal)
+        exchange_exists = await self._exchange_exists(connection)
+        done = Teardown()
+        channel = await connection.channel(publisher_confirms=False)
+        underlay = await channel.get_underlay_channel()
+        try:
+            for name, depth in depths.items():
+                if depth is None:
+                    done.missing.append(name)
+                    continue
+                ok = await underlay.queue_delete(name)
+                done.removed.append(name)
+                if ok.message_count:
+                    done.lost[name] = ok.message_count
+            if exchange_exists:
+                await underlay.exchange_delete(self.expired_exchange)
+                done.removed.append(self.expired_exchange)
+            else:
+                done.missing.append(self.expired_exchange)
+        except aiormq.exceptions.ChannelAccessRefused as error:
+            raise AccessRefusedError(
+                f"deleting {self.prefix}'s objects: {error.args[0] if error.args else error}"
+            ) from None
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return done
+
+    async def _exchange_exists(self, connection: aio_pika.abc.AbstractConnection) -> bool:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await (await channel.get_underlay_channel()).exchange_declare(
+                self.expired_exchange, passive=True
+            )
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return True
 
     async def _explain(
         self,
@@ -191,6 +471,18 @@ class Topology:
         text = str(error.args[0] if error.args else error)
         if queue not in self.queues():
             return _mismatch(text)
+        if queue in (self.relay_queue, self.parked_queue):
+            mismatch = _mismatch(text)
+            if mismatch.argument in _ADDED_IN_0_2:
+                return _mismatch(
+                    text,
+                    fix=(
+                        f"the queue was declared by hopsched < 0.2, without the delivery limit "
+                        f"and dead-lettering this version declares: stop every relay of the "
+                        f"prefix and run `hopsched upgrade --prefix {self.prefix}` (it keeps "
+                        f"every message)"
+                    ),
+                )
         other: QueueType = "classic" if self.queue_type == "quorum" else "quorum"
         try:
             async with connection.channel(publisher_confirms=False) as channel:
@@ -201,10 +493,10 @@ class Topology:
         return TopologyMismatchError(queue, "x-queue-type", self.queue_type, other, text)
 
 
-def _mismatch(text: str) -> TopologyMismatchError:
+def _mismatch(text: str, fix: str | None = None) -> TopologyMismatchError:
     match = _INEQUIVALENT.search(text)
     if match is None:
-        return TopologyMismatchError("?", "?", "?", "?", text)
+        return TopologyMismatchError("?", "?", "?", "?", text, fix=fix)
     return TopologyMismatchError(
         match["queue"],
         match["arg"],
@@ -212,7 +504,46 @@ def _mismatch(text: str) -> TopologyMismatchError:
         _unquote(match["current"]),
         text,
         kind=match["kind"],
+        fix=fix,
     )
+
+
+async def _move_all(
+    channel: aio_pika.abc.AbstractChannel, source: aio_pika.abc.AbstractQueue, target: str
+) -> int:
+    """Move every message of ``source`` to queue ``target`` and delete ``source``; each
+    message is published (confirmed) before it is acked, so a crash duplicates, never
+    loses. (Quorum queues refuse ``queue.delete`` with if-empty: the count is checked.)"""
+    moved = 0
+    underlay = await channel.get_underlay_channel()
+    while True:
+        delivered = await underlay.basic_get(source.name, no_ack=False)
+        if not isinstance(delivered.delivery, Basic.GetOk):
+            left = await underlay.queue_declare(source.name, passive=True)
+            if left.message_count:
+                continue  # arrived meanwhile
+            await underlay.queue_delete(source.name)
+            return moved
+        properties = delivered.header.properties
+        if properties.headers:  # a quorum queue's count of this delivery, not the message's
+            properties.headers.pop(BROKER_DELIVERY_COUNT_HEADER, None)
+        await underlay.basic_publish(
+            delivered.body, exchange="", routing_key=target, properties=properties, mandatory=True
+        )
+        await underlay.basic_ack(delivered.delivery_tag or 0)
+        moved += 1
+
+
+async def declare_topology(settings: Settings, names: Iterable[str] | None = None) -> None:
+    """Declare ``settings``' topology (or only the queues in ``names``) over a connection
+    of its own.
+
+    Raises:
+        BrokerUnavailableError, TopologyMismatchError, AccessRefusedError.
+    """
+    connection = await connect(settings, name="hopsched-declare")
+    async with connection:
+        await Topology.from_settings(settings).declare(connection, names)
 
 
 def _unquote(value: str) -> str:

@@ -231,20 +231,13 @@ def rabbitmqctl_path() -> str | None:
     return shutil.which("rabbitmqctl")
 
 
-async def rabbitmqctl(
-    *args: str,
-    within: float = 60,
-    executable: str | None = None,
-    env: Mapping[str, str] | None = None,
-) -> str:
-    """Run ``rabbitmqctl args…`` and return its stdout; fail the test on a non-zero exit.
-
-    ``executable`` and ``env`` address another node (see ``broker.PrivateBroker``).
-    """
-    path = executable or rabbitmqctl_path()
+async def rabbitmqctl(*args: str, within: float = 60) -> str:
+    """Run ``rabbitmqctl args…`` against the shared broker and return its stdout; fail the
+    test on a non-zero exit. (A private node has ``PrivateBroker.rabbitmqctl``.)"""
+    path = rabbitmqctl_path()
     assert path is not None
     process = await asyncio.create_subprocess_exec(
-        path, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        path, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     try:
         async with asyncio.timeout(within):
@@ -416,10 +409,17 @@ class Relays:
 
 
 async def hopsched_cli(
-    *args: str, settings: hopsched.Settings | None = None, within: float = 60
+    *args: str,
+    settings: hopsched.Settings | None = None,
+    within: float = 60,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[int, str, str]:
-    """Run ``python -m hopsched ARGS``; return (exit status, stdout, stderr)."""
-    env = dict(os.environ)
+    """Run ``python -m hopsched ARGS``; return (exit status, stdout, stderr).
+
+    ``settings`` set ``HOPSCHED_URL``, ``_PREFIX`` and ``_QUEUE_TYPE``; ``env`` adds
+    variables on top of the test's environment.
+    """
+    env = dict(os.environ) | dict(env or {})
     if settings is not None:
         env |= {
             "HOPSCHED_URL": settings.url,

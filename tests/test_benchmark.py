@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,13 @@ FIELDS = (
     "sustained_schedule_rate_per_s",
     "process_cpu_s",
     "process_peak_rss_mb",
+)
+#: What every hopsched row adds: CPU per relayed message and per schedule.
+HOPSCHED_FIELDS = (
+    "relayed_msgs",
+    "relay_cpu_us_per_relayed_msg",
+    "scheduler_cpu_s",
+    "scheduler_cpu_us_per_msg",
 )
 
 
@@ -105,6 +113,10 @@ def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: P
         assert row["lost"] == 0
         assert row["early"] == 0
     assert strategies["hopsched-quorum"]["process_peak_rss_mb"] > 0
+    for field in HOPSCHED_FIELDS:
+        assert strategies["hopsched-quorum"][field] > 0, field
+        assert field not in strategies["per-message-ttl"], field
+    assert report["hopsched"]["has_schedule_many"] is True
     decades = strategies["hopsched-quorum"]["hops_by_decade"]
     assert sum(row["n"] for row in decades) == 20
     assert "hops_by_decade" not in strategies["per-message-ttl"]
@@ -116,22 +128,81 @@ def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: P
         assert (plots / name).stat().st_size > 0
 
 
+def test_tiny_burst_run_reports_first_and_last_delivery(broker_url: str, tmp_path: Path) -> None:
+    """Two small bursts through hopsched and the broker floor, measuring a copy of this
+    repository's hopsched through --hopsched-path as an earlier checkout would be."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(
+        BENCHMARKS.parent / "hopsched",
+        checkout / "hopsched",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    out = tmp_path / "out.json"
+    command = [
+        sys.executable, str(SCRIPT), "--scenario", "burst",
+        "--burst-counts", "100,200", "--burst-lead", "2s",
+        "--strategies", "hopsched-quorum,delayed-exchange,broker-floor",
+        "--hopsched-path", str(checkout), "--url", broker_url, "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["hopsched"]["path"] == str(checkout.resolve())
+    assert "--hopsched-path" in report["command"]
+    assert report["burst"]["counts"] == [100, 200]
+    strategies = report["strategies"]
+    assert "delayed-exchange, 100 at once" in strategies  # available or not, reported
+    for count in (100, 200):
+        for name in ("hopsched-quorum", "broker-floor"):
+            row = strategies[f"{name}, {count} at once"]
+            assert (row["scheduled"], row["delivered"]) == (count, count)
+            assert row["lost"] == row["early"] == row["duplicates"] == 0
+            assert 0 <= row["min_ms"] <= row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+        hopsched_row = strategies[f"hopsched-quorum, {count} at once"]
+        assert hopsched_row["scheduled_with"].startswith("schedule_many")
+        assert hopsched_row["scheduled_ahead_of_due_s"] > 0
+        for field in HOPSCHED_FIELDS:
+            assert hopsched_row[field] > 0, field
+    assert "| hopsched-quorum, 200 at once | 200 | 200 | 0 | 0 | 0 |" in result.stdout
+
+
 def test_throughput_summary_shows_both_relay_phases_and_the_ratios() -> None:
     report = _bench("bench_report")
-    relay = {"hops_per_s": 600.0, "relay_cpu_s": 15.0, "relay_peak_rss_mb": 40.0}
+    relay = {
+        "hops_per_s": 600.0,
+        "relay_cpu_s": 15.0,
+        "relay_cpu_us_per_hop": 700.0,
+        "relay_peak_rss_mb": 40.0,
+    }
     text = report.throughput_summary(
         {
             "raw_loop": {"messages": 20_000, "msgs_per_s": 800.0},
             "relay": relay,
             "relay_x2": {**relay, "hops_per_s": 900.0, "relay_cpu_s": 24.0},
+            "scheduler": {
+                "schedule": {
+                    "how": "schedule(), 500 in flight",
+                    "available": True,
+                    "msgs_per_s": 4000.0,
+                    "cpu_s": 4.0,
+                    "cpu_us_per_msg": 200.0,
+                },
+                "schedule_many": {
+                    "how": "schedule_many, batches of 1,000",
+                    "available": False,
+                    "reason": "not in this hopsched",
+                },
+            },
             "relay_to_raw_ratio": 0.75,
             "scale_out_ratio": 1.5,
             "cpu_count": 2,
             "max_rate_p99_within_10ms": None,
         }
     )
-    assert "| relay, 1 process | 600 | 15.00 | 40.0 |" in text
-    assert "| relay, 2 processes | 900 | 24.00 | 40.0 |" in text
+    assert "| relay, 1 process | 600 | 15.00 | 700 | 40.0 |" in text
+    assert "| relay, 2 processes | 900 | 24.00 | 700 | 40.0 |" in text
+    assert "| schedule(), 500 in flight | 4,000 | 4.00 | 200 | - |" in text
+    assert "| schedule_many, batches of 1,000 | not in this hopsched | - | - | - |" in text
     assert "2 relays / 1: 1.50 on 2 CPUs" in text
 
 

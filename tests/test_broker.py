@@ -10,6 +10,9 @@ import pytest
 from broker import PrivateBroker
 from support import message_count
 
+#: The fault tests' machinery: in the slow tier with them (the demo's tests start a node too).
+pytestmark = pytest.mark.slow
+
 
 async def test_a_private_node_survives_kill_9_with_its_durable_messages(
     private_broker: PrivateBroker,

@@ -5,18 +5,32 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shlex
 import signal
 import sys
+import uuid
 from datetime import datetime
+from pathlib import Path
 from urllib.parse import quote
 
 import aio_pika
 import aiormq
 import pytest
-from support import Targets, hopsched_cli
+from broker import require_rabbitmq
+from support import (
+    Relays,
+    Targets,
+    hopsched_cli,
+    message_count,
+    rabbitmqctl,
+    rabbitmqctl_path,
+    wait_until_count,
+)
 
 import hopsched
-from hopsched.clock import datetime_to_us
+from hopsched.clock import datetime_to_us, now_us
+from hopsched.localbroker import free_port
 
 SECRET = "pa/ss#w?rd-s3cret"
 
@@ -124,19 +138,29 @@ async def test_an_out_of_range_due_time_is_refused_before_connecting(
         await channel.declare_queue(settings.prefix + ".relay", passive=True)
 
 
-async def test_relay_exits_0_on_sigterm(settings: hopsched.Settings) -> None:
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_relay_exits_0_on_sigterm(settings: hopsched.Settings, log_format: str) -> None:
     env = dict(os.environ) | {"HOPSCHED_URL": settings.url, "HOPSCHED_PREFIX": settings.prefix}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hopsched", "relay", env=env, stderr=asyncio.subprocess.PIPE
+        *(sys.executable, "-m", "hopsched", "--log-format", log_format, "relay"),
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
     )
     assert process.stderr is not None
+    lines: list[bytes] = []
     while b"relay consuming" not in (line := await asyncio.wait_for(process.stderr.readline(), 30)):
         assert line, "the relay exited before consuming"
+        lines.append(line)
     process.send_signal(signal.SIGTERM)
     rest = await asyncio.wait_for(process.stderr.read(), 15)
 
     assert await process.wait() == 0
     assert b"relay stopped" in rest
+    if log_format == "json":
+        records = [json.loads(line) for line in [*lines, line, *rest.splitlines()]]
+        assert {"time", "level", "logger", "message"} <= set(records[-1])
+        assert records[-1]["message"] == "relay stopped"
+        assert "guest:guest" not in json.dumps(records)
 
 
 async def test_demo_runs_end_to_end(settings: hopsched.Settings) -> None:
@@ -156,3 +180,276 @@ async def test_demo_runs_end_to_end(settings: hopsched.Settings) -> None:
         "0",
         "0",
     )
+
+
+@pytest.mark.parametrize("delay", ["0", "-5s"])
+async def test_a_delay_of_zero_or_less_means_now(
+    settings: hopsched.Settings, relay: hopsched.Relay, targets: Targets, delay: str
+) -> None:
+    target = await targets.queue()
+    before_us = now_us()
+
+    status, _, err = await hopsched_cli(
+        "schedule", "--in", delay, "--routing-key", target.name, "--body", "now", settings=settings
+    )
+
+    assert status == 0, err
+    [received] = await target.wait_for(1, within=30)
+    assert received.body == b"now"
+    assert before_us <= received.due_us <= now_us()  # due when scheduled, not 5 s before
+    target.assert_never_early()
+
+
+async def test_permissions_take_the_urls_vhost_and_the_grant_works_there(
+    broker_url: str,
+) -> None:
+    if rabbitmqctl_path() is None:
+        pytest.skip("needs rabbitmqctl for the shared broker, to add a vhost and a user")
+    tag = uuid.uuid4().hex[:8]
+    vhost, user, password = f"team/a b#1%é {tag}", f"hopsched-{tag}", f"pw{tag}"
+    prefix = f"t{tag}"
+    url = f"amqp://{user}:{password}@127.0.0.1:5672/{quote(vhost, safe='')}"
+
+    status, out, err = await hopsched_cli(
+        "permissions", "--url", url, "--user", user, "--prefix", prefix
+    )
+    assert status == 0, err
+    command = shlex.split(out)
+    assert command[:5] == ["rabbitmqctl", "set_permissions", "-p", vhost, user]
+    for other_url, expected in ((broker_url, "/"), ("amqp://u:p@127.0.0.1", "/")):
+        status, out, err = await hopsched_cli("permissions", "--url", other_url)
+        assert status == 0, err
+        assert shlex.split(out)[3] == expected
+    status, out, err = await hopsched_cli("permissions", "--url", url, "--vhost", "other")
+    assert shlex.split(out)[3] == "other"
+
+    await rabbitmqctl("add_vhost", vhost)
+    try:
+        await rabbitmqctl("add_user", user, password)
+        await rabbitmqctl(*command[1:])
+        status, out, err = await hopsched_cli(
+            "declare", "--url", url, "--prefix", prefix, "--queue-type", "classic"
+        )
+        assert status == 0, err
+        status, out, err = await hopsched_cli(
+            "status", "--json", "--url", url, "--prefix", prefix, "--queue-type", "classic"
+        )
+        assert status == 0, err
+        assert json.loads(out)["queues"][f"{prefix}.relay"] == {"messages": 0, "consumers": 0}
+    finally:
+        await rabbitmqctl("delete_user", user)
+        await rabbitmqctl("delete_vhost", vhost)
+
+
+async def test_status_and_parked_list_report_a_queue_type_mismatch_and_declare_nothing(
+    settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    topology = hopsched.Topology.from_settings(settings)
+    await topology.declare(amqp)  # quorum
+    gone = topology.step_queue(16)
+    await (await amqp.channel()).queue_delete(gone)
+
+    for args in (["status"], ["status", "--json"], ["parked", "list"]):
+        status, out, err = await hopsched_cli(*args, "--queue-type", "classic", settings=settings)
+
+        assert status == 1, (args, out, err)
+        [line] = err.splitlines()
+        first = topology.step_queue(32)
+        assert f"queue {first!r} already exists with x-queue-type=quorum" in line
+        assert "declares x-queue-type=classic" in line
+        assert "Fix:" in line
+    status, out, err = await hopsched_cli("status", settings=settings)
+    assert status == 0, err
+    assert re.search(rf"{re.escape(gone)} +missing", out)
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):  # still not declared
+        await (await amqp.channel()).declare_queue(gone, passive=True)
+
+
+async def test_parked_list_limit_and_replay_exit_statuses(
+    settings: hopsched.Settings,
+    relay: hopsched.Relay,
+    scheduler: hopsched.Scheduler,
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    topology = hopsched.Topology.from_settings(settings)
+    for _ in range(3):
+        await scheduler.schedule(b"x", delay=0, routing_key=f"t{uuid.uuid4().hex}.nowhere")
+    await wait_until_count(amqp, topology.parked_queue, 3, within=30)
+
+    status, out, err = await hopsched_cli("parked", "list", "--limit", "1", settings=settings)
+    assert status == 0, err
+    assert out.splitlines()[0] == f"showing 1 of 3 parked message(s) in {topology.parked_queue}"
+    assert len(out.splitlines()) == 3  # the header, one message in two lines
+
+    status, out, err = await hopsched_cli("parked", "replay", "--id", "UNKNOWN", settings=settings)
+    assert (status, out.strip()) == (3, f"replayed 0 message(s) to {topology.relay_queue}")
+    assert err.strip() == "not parked: UNKNOWN"
+
+    status, out, err = await hopsched_cli(
+        "parked", "replay", "--all", "--id", "X", settings=settings
+    )
+    assert status == 2
+    assert "--all and --id exclude each other" in err
+    assert await message_count(amqp, topology.parked_queue) == 3
+
+
+async def test_verbose_shows_hopsched_debug_lines_and_amqp_frames_only_when_very_verbose(
+    settings: hopsched.Settings,
+) -> None:
+    status, _, err = await hopsched_cli("-v", "declare", settings=settings)
+
+    assert status == 0, err
+    assert f"DEBUG hopsched.topology: declared queue {settings.prefix}.relay" in err
+    assert "aiormq" not in err
+    assert "aio_pika" not in err
+
+    status, _, err = await hopsched_cli("-vv", "declare", settings=settings)
+    assert status == 0, err
+    assert "DEBUG aiormq.connection:" in err
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_no_password_in_any_log_line_even_very_verbose(
+    broker_url: str, log_format: str
+) -> None:
+    url = broker_url.replace("guest:guest@", f"guest:{quote(SECRET, safe='')}@")
+
+    status, out, err = await hopsched_cli("-vv", "--log-format", log_format, "status", "--url", url)
+
+    assert status == 1, (out, err)
+    assert "s3cret" not in out + err
+    *logged, error = err.splitlines()
+    assert error.startswith("Error: ")
+    assert "login refused" in error
+    assert any("aiormq" in line for line in logged)
+    if log_format == "json":
+        assert all(json.loads(line)["level"] for line in logged)
+
+
+async def test_teardown_refuses_while_messages_wait_then_removes_everything_with_force(
+    settings: hopsched.Settings,
+    scheduler: hopsched.Scheduler,
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    topology = hopsched.Topology.from_settings(settings)
+    everything = [*topology.queues(), topology.expired_exchange]
+    await scheduler.schedule(b"later", delay=3600, routing_key="q")
+    await scheduler.cancel("something-else")  # the stream's records are no pending messages
+
+    status, out, err = await hopsched_cli("teardown", settings=settings)
+    assert status == 1, (out, err)
+    assert "(1 message(s), 0 consumer(s))" in err
+    assert "--force" in err
+    assert out == ""
+    assert await message_count(amqp, topology.relay_queue) == 0  # still there
+
+    # --force deletes whatever the queue type: teardown is the fix for a mismatch.
+    status, out, err = await hopsched_cli(
+        "teardown", "--force", "--queue-type", "classic", settings=settings
+    )
+    assert status == 0, err
+    removed = [line.split()[1] for line in out.splitlines() if line.startswith("removed ")]
+    assert removed == everything
+    assert "(1 message(s) deleted with it)" in out
+    for name in topology.queues():
+        with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+            await (await amqp.channel()).declare_queue(name, passive=True)
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+        await (await amqp.channel()).declare_exchange(topology.expired_exchange, passive=True)
+
+    status, out, err = await hopsched_cli("teardown", settings=settings)
+    assert status == 0, err
+    missing = [line.split()[-1] for line in out.splitlines() if line.startswith("did not exist")]
+    assert missing == everything
+
+
+async def test_teardown_refuses_while_a_relay_consumes(
+    settings: hopsched.Settings, relay: hopsched.Relay, relays: Relays
+) -> None:
+    status, out, err = await hopsched_cli("teardown", settings=settings)
+
+    assert status == 1, (out, err)
+    assert f"{settings.prefix}.relay (0 message(s), 1 consumer(s))" in err
+    assert relays.is_running(relay)
+
+
+def demo_rows(out: str) -> dict[str, str]:
+    return {
+        cells[1].strip(): cells[2].strip()
+        for line in out.splitlines()
+        if len(cells := line.split("|")) == 4
+    }
+
+
+def node_is_gone(root: str) -> bool:
+    """Whether the private node of directory ``root`` has no process and no directory."""
+    marker = f"-home\0{root}/home\0".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
+                return False
+        except OSError:
+            continue
+    return not Path(root).exists()
+
+
+async def test_demo_with_nothing_at_its_url_runs_on_a_throwaway_node() -> None:
+    require_rabbitmq()
+    port = free_port()  # nothing listens there: never the shared broker
+
+    status, out, err = await hopsched_cli(
+        *("demo", "--url", f"amqp://guest:guest@127.0.0.1:{port}/"),
+        *("--count", "20", "--max-delay", "1s"),
+        within=180,
+    )
+
+    assert status == 0, err
+    assert f"nothing answers at amqp://guest:***@127.0.0.1:{port}/" in err
+    found = re.search(r"throwaway node \S+ on 127\.0\.0\.1:(\d+), in (\S+)\n", err)
+    assert found, err
+    assert int(found[1]) != port
+    assert "throwaway node stopped and removed" in err
+    rows = demo_rows(out)
+    assert (rows["delivered"], rows["early"], rows["lost"]) == ("20", "0", "0")
+    assert node_is_gone(found[2])
+
+
+async def test_demo_interrupted_removes_its_throwaway_node() -> None:
+    require_rabbitmq()
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "hopsched", "demo", "--count", "100", "--max-delay", "60s"),
+        *("--url", f"amqp://guest:guest@127.0.0.1:{free_port()}/"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    said = b""
+    while b"scheduling 100 messages" not in said:
+        line = await asyncio.wait_for(process.stderr.readline(), 120)
+        assert line, said.decode()
+        said += line
+    found = re.search(rb"throwaway node \S+ on \S+, in (\S+)\n", said)
+    assert found, said.decode()
+    root = found[1].decode()
+    assert not node_is_gone(root)
+
+    process.send_signal(signal.SIGINT)  # Ctrl-C
+    _, rest = await asyncio.wait_for(process.communicate(), 60)
+
+    assert process.returncode != 0
+    assert b"throwaway node stopped and removed" in rest
+    assert node_is_gone(root)
+
+
+async def test_demo_with_nothing_at_its_url_and_no_rabbitmq_says_how_to_get_one(
+    tmp_path: Path,
+) -> None:
+    status, out, err = await hopsched_cli(
+        *("demo", "--url", f"amqp://guest:guest@127.0.0.1:{free_port()}/"),
+        env={"HOPSCHED_RABBITMQ_BIN": str(tmp_path)},  # holds no rabbitmq-server
+    )
+
+    assert status == 1, (out, err)
+    [line] = err.splitlines()
+    for advice in ("rabbitmq-server package", "rabbitmq:3-management", "--url"):
+        assert advice in line

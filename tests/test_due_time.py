@@ -316,3 +316,12 @@ def test_an_at_in_the_past_keeps_its_instant() -> None:
     past = datetime(2020, 1, 1, tzinfo=UTC)
 
     assert due_time_us(past, None, NOW_US) == datetime_to_us(past)
+
+
+@given(
+    delay=st.floats(min_value=0, max_value=2**31, allow_nan=False)
+    | st.decimals(min_value=0, max_value=10**6, places=6).map(float)
+)
+def test_a_float_delay_is_its_shortest_decimal_in_microseconds_rounded_up(delay: float) -> None:
+    """The fast path for whole-µs floats gives what the exact Decimal path gives."""
+    assert due_time_us(None, delay, 0) == math.ceil(Decimal(repr(delay)) * 1_000_000)

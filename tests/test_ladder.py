@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from hopsched.errors import InvalidScheduleError
+from hopsched.errors import InvalidSettingsError
 from hopsched.ladder import BROKER_MAX_TTL_MS, Hold, Hop, Ladder
 
 US_PER_MS = 1_000
@@ -277,12 +277,16 @@ def test_plan_depends_only_on_the_remaining_time(
         pytest.param(1_500, Hold(1_500), id="1.5ms"),
         pytest.param(36 * MS, Hold(36 * MS), id="min-step-plus-margin-inside-hold-window"),
         pytest.param(52 * MS, Hold(52 * MS), id="52ms"),
-        pytest.param(SECOND, Hold(SECOND), id="hold-window-edge"),
-        pytest.param(SECOND + 1, Hop(512), id="just-past-hold-window"),
-        pytest.param(1100 * MS, Hop(1024), id="1.1s"),
+        pytest.param(SECOND, Hold(SECOND), id="1s-inside-hold-window"),
+        pytest.param(4 * SECOND, Hold(4 * SECOND), id="hold-window-edge"),
+        # a hop lands at least half the hold window (2 s) before the due time
+        pytest.param(4 * SECOND + 1, Hop(1024), id="just-past-hold-window"),
+        pytest.param(4100 * MS, Hop(2048), id="4.1s"),
+        pytest.param(6 * SECOND, Hop(2048), id="6s-would-land-under-2s-with-4096"),
+        pytest.param(6100 * MS, Hop(4096), id="6.1s"),
         pytest.param(2**32 * MS - MS, Hop(2**31), id="2**32-1ms"),
-        pytest.param(2**32 * MS, Hop(2**31), id="2**32ms-top-step-needs-margin"),
-        pytest.param(2**32 * MS + 20 * MS, Hop(2**32), id="top-step-plus-margin"),
+        pytest.param(2**32 * MS, Hop(2**31), id="2**32ms-top-step-needs-2s-in-hand"),
+        pytest.param(2**32 * MS + 2000 * MS, Hop(2**32), id="top-step-plus-2s"),
         pytest.param(3 * 2**32 * MS, Hop(2**32), id="top-step-reused"),
     ],
 )
@@ -324,12 +328,12 @@ def test_plan_at_the_smallest_step(ladder: Ladder, remaining_us: int, expected: 
         pytest.param(DEFAULT, -5 * SECOND, [], id="negative"),
         pytest.param(DEFAULT, 400, [], id="0.4ms"),
         pytest.param(DEFAULT, 1_500, [], id="1.5ms"),
-        pytest.param(DEFAULT, SECOND, [], id="1s-is-held"),
-        pytest.param(DEFAULT, 4 * SECOND, [2048, 1024], id="4s"),
+        pytest.param(DEFAULT, 4 * SECOND, [], id="4s-is-held"),
+        pytest.param(DEFAULT, 10 * SECOND, [4096, 2048], id="10s"),
         pytest.param(
             Ladder(max_step_ms=1024),
             10 * SECOND,
-            [1024] * 9,
+            [1024] * 6,
             id="top-step-reused",
         ),
     ],
@@ -341,7 +345,7 @@ def test_route(ladder: Ladder, delay_us: int, expected: list[int]) -> None:
 def test_route_with_overshoot_ends_inside_the_hold_window() -> None:
     steps = DEFAULT.route(60 * SECOND, overshoot_us=3 * MS)
 
-    assert steps == [32768, 16384, 8192, 2048]
+    assert steps == [32768, 16384, 8192]
     assert 60 * SECOND - sum(steps) * MS - len(steps) * 3 * MS <= DEFAULT.hold_window_ms * MS
 
 
@@ -443,14 +447,14 @@ def test_F04_relay_delivers_at_the_due_time_not_before(delay_us: int) -> None:
     ],
 )
 def test_invalid_ladder_is_rejected_naming_the_field(kwargs: dict[str, object], named: str) -> None:
-    with pytest.raises(InvalidScheduleError, match=named) as caught:
+    with pytest.raises(InvalidSettingsError, match=named) as caught:
         Ladder(**kwargs)  # type: ignore[arg-type]
 
     assert isinstance(caught.value, ValueError)
 
 
 def test_min_above_max_names_both_fields() -> None:
-    with pytest.raises(InvalidScheduleError) as caught:
+    with pytest.raises(InvalidSettingsError) as caught:
         Ladder(min_step_ms=1024, max_step_ms=16)
 
     assert "min_step_ms=1024" in str(caught.value)
@@ -466,20 +470,20 @@ def test_min_above_max_names_both_fields() -> None:
 )
 def test_a_hold_longer_than_a_minute_is_rejected(kwargs: dict[str, int]) -> None:
     """An unacked hold near RabbitMQ's consumer_timeout would close the relay's channel."""
-    with pytest.raises(InvalidScheduleError, match="consumer_timeout"):
+    with pytest.raises(InvalidSettingsError, match="consumer_timeout"):
         Ladder(**kwargs)
 
 
-def test_broker_ttl_cap_error_names_the_cap() -> None:
-    with pytest.raises(InvalidScheduleError, match=str(BROKER_MAX_TTL_MS)):
-        Ladder(max_step_ms=2**39)
+def test_a_top_step_over_2_pow_32_is_refused_naming_the_cap() -> None:
+    with pytest.raises(InvalidSettingsError, match=str(2**32)):
+        Ladder(max_step_ms=2**33)
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
         pytest.param({"min_step_ms": 1, "max_step_ms": 1}, id="single-1ms-step"),
-        pytest.param({"max_step_ms": 2**38}, id="largest-power-of-two-under-the-cap"),
+        pytest.param({"max_step_ms": 2**32}, id="largest-top-step"),
         pytest.param({"hold_window_ms": 0, "hop_margin_ms": 0}, id="zero-windows"),
     ],
 )

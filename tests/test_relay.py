@@ -260,6 +260,7 @@ async def test_stop_returns_promptly_and_loses_nothing(
     assert first.totals.delivered + second.totals.delivered == sum(counts.values())
 
 
+@pytest.mark.slow  # 15-20 s each
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 async def test_throughput_2000_due_at_once(
     queue_type: str,
@@ -402,9 +403,12 @@ async def test_bodies_of_8_mib_empty_and_non_utf8_arrive_intact(
 async def test_a_crowded_relay_hops_instead_of_holding(
     make_settings: Any, relays: Relays, targets: Targets
 ) -> None:
-    """With half its prefetch held, the relay hops short remainders instead of holding,
-    even once its own backlog has made hops look late (the learned margin at its cap)."""
-    settings = make_settings(prefetch=8)  # holds at most 4 at once
+    """With nine tenths of its prefetch held, the relay hops short remainders instead of
+    holding, even once its own backlog has made hops look late (the learned margin at
+    its cap). An uncrowded relay makes no hop at all for delays of 0.1-2 s (the
+    scheduler's first hop lands within the hold window), so a few dozen relay hops show
+    the rule at work; how many depends on how fast the broker dead-letters."""
+    settings = make_settings(prefetch=8)  # holds at most 7 at once
     target = await targets.queue()
     relay = await relays.start(settings)
     rng = random.Random(5)
@@ -427,7 +431,7 @@ async def test_a_crowded_relay_hops_instead_of_holding(
         f"{target.lateness_line()}"
     )
     assert hops.count(0) >= 1, "nothing was held"
-    assert relay.totals.hops >= 150, "a crowded relay kept holding"
+    assert relay.totals.hops >= 30, "a crowded relay kept holding"
 
 
 async def test_a_callers_hop_expiry_header_is_replaced(
@@ -443,32 +447,35 @@ async def test_a_callers_hop_expiry_header_is_replaced(
     assert relay.totals.overshoot.count == 0  # no hop, so nothing to measure
 
     hopped = await scheduler.schedule(
-        aio_pika.Message(b"hopped", headers=forged), delay=3.0, routing_key=target.name
+        aio_pika.Message(b"hopped", headers=forged), delay=7.0, routing_key=target.name
     )
     await target.wait_for_ids({held.schedule_id, hopped.schedule_id}, within=30)
     target.assert_never_early()
-    assert relay.totals.overshoot.count >= 1
-    assert relay.totals.overshoot.max_ms < 60_000, "the forged expiry was measured"
+    # The scheduler's first hop is measured against the producer's clock: its offset
+    # estimate would be 56 years had the forged expiry reached the relay.
+    offset_us = relay.totals.clock_offsets[scheduler.producer]
+    assert abs(offset_us) < 60_000_000, "the forged expiry was measured"
 
 
 async def test_hops_carry_their_expiry_and_the_relay_measures_overshoot(
-    settings: hopsched.Settings,
-    relay: hopsched.Relay,
-    scheduler: hopsched.Scheduler,
-    targets: Targets,
+    make_settings: Any, relays: Relays, targets: Targets
 ) -> None:
-    """Each hop says when its TTL runs out; the relay measures how late it came back, and
-    the target never sees that header."""
-    target = await targets.queue()
-    scheduled = await schedule_all(
-        scheduler,
-        [{"message": b"hop", "delay": 3.0, "routing_key": target.name} for _ in range(20)],
-    )
+    """Each hop says when its TTL runs out; the relay measures how late the hops it made
+    came back (a 1 s hold window and 8 s: the scheduler's 4.096 s hop, then the relay's
+    2.048 and 1.024 s), and the target never sees that header."""
+    settings = make_settings(hold_window_ms=1000)
+    relay = await relays.start(settings)
+    async with hopsched.Scheduler(settings) as scheduler:
+        target = await targets.queue()
+        scheduled = await schedule_all(
+            scheduler,
+            [{"message": b"hop", "delay": 8.0, "routing_key": target.name} for _ in range(20)],
+        )
     await target.wait_for_ids({s.schedule_id for s in scheduled}, within=30)
     target.assert_never_early()
     assert all(HEADER_HOP_EXPIRES not in r.headers for r in target.received)
     assert all(r.headers[HEADER_HOPS] >= 1 for r in target.received)
     overshoot = relay.totals.overshoot
     print(f"\nhop overshoot at the relay: {overshoot.summary()} over {overshoot.count} hops")
-    assert overshoot.count >= 20
+    assert overshoot.count >= 40
     assert overshoot.percentile_ms(50) < 1000

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shlex
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from broker import PrivateBroker
 from support import Collector, Relays, hopsched_cli
 
 import hopsched
+from hopsched.localbroker import free_port
 
 SECRET = "s3cret/#?pw"
 PREFIX = "app-sched"
@@ -117,13 +117,6 @@ async def test_least_privilege_user_schedules_relays_and_parks(
     finally:
         await relays.stop_all()
         await admin.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def make_certificates(directory: Path) -> dict[str, Path]:

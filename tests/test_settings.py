@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hopsched.errors import HopschedError, InvalidScheduleError
+from hopsched.errors import HopschedError, InvalidSettingsError
 from hopsched.ladder import Ladder
 from hopsched.settings import Settings, mask_url
 
@@ -22,10 +22,13 @@ def test_defaults() -> None:
     assert settings.url == "amqp://guest:guest@localhost:5672/"
     assert settings.prefix == "hopsched"
     assert settings.queue_type == "quorum"
-    assert settings.prefetch == 1000
+    assert settings.prefetch == 20_000
+    assert settings.hold_memory_mb == 256
+    assert settings.publish_timeout_s == 30.0
+    assert settings.target_retry_s == 300.0
     assert settings.log_interval_s == 60.0
     assert settings.ladder == Ladder(
-        min_step_ms=16, max_step_ms=2**32, hold_window_ms=1000, hop_margin_ms=20
+        min_step_ms=16, max_step_ms=2**32, hold_window_ms=4000, hop_margin_ms=20
     )
     assert settings.masked_url == "amqp://guest:***@localhost:5672/"
 
@@ -136,10 +139,10 @@ def test_from_env_reads_os_environ_when_given_none(monkeypatch: pytest.MonkeyPat
                      id="log-interval-not-float"),
     ],
 )  # fmt: skip
-def test_bad_value_raises_invalid_schedule_error_saying_what_is_wrong(
+def test_bad_value_raises_invalid_settings_error_saying_what_is_wrong(
     environ: dict[str, str], expected: list[str]
 ) -> None:
-    with pytest.raises(InvalidScheduleError) as caught:
+    with pytest.raises(InvalidSettingsError) as caught:
         Settings.from_env(environ)
 
     for text in expected:
@@ -149,7 +152,7 @@ def test_bad_value_raises_invalid_schedule_error_saying_what_is_wrong(
 
 
 def test_nan_log_interval_is_rejected() -> None:
-    with pytest.raises(InvalidScheduleError, match="log_interval_s"):
+    with pytest.raises(InvalidSettingsError, match="log_interval_s"):
         Settings.from_env({"HOPSCHED_LOG_INTERVAL_S": "nan"})
 
 
@@ -265,7 +268,7 @@ def test_settings_repr_hides_the_password() -> None:
     ],
 )
 def test_bad_url_is_rejected_without_showing_the_password(url: str) -> None:
-    with pytest.raises(InvalidScheduleError) as caught:
+    with pytest.raises(InvalidSettingsError) as caught:
         Settings.from_env({"HOPSCHED_URL": url})
 
     assert "s3cret" not in str(caught.value)
@@ -274,7 +277,7 @@ def test_bad_url_is_rejected_without_showing_the_password(url: str) -> None:
 
 @pytest.mark.parametrize("password", ["pa/ss#w?rd", "S3cret/PW", "5671/s3cret"])
 def test_a_password_with_reserved_characters_asks_for_percent_encoding(password: str) -> None:
-    with pytest.raises(InvalidScheduleError, match="percent-encode") as caught:
+    with pytest.raises(InvalidSettingsError, match="percent-encode") as caught:
         Settings(url=f"amqp://someone:{password}@127.0.0.1:5672/")
 
     for piece in password.replace("#", "/").replace("?", "/").split("/"):
@@ -284,7 +287,7 @@ def test_a_password_with_reserved_characters_asks_for_percent_encoding(password:
 
 @pytest.mark.parametrize("prefix", ["amq.mine", ".", "-x", "_x", "has space"])
 def test_a_prefix_rabbitmq_would_refuse_or_that_reads_oddly_is_rejected(prefix: str) -> None:
-    with pytest.raises(InvalidScheduleError, match="prefix"):
+    with pytest.raises(InvalidSettingsError, match="prefix"):
         Settings(prefix=prefix)
 
 
@@ -293,6 +296,23 @@ def test_a_prefix_rabbitmq_would_refuse_or_that_reads_oddly_is_rejected(prefix: 
 )
 def test_a_malformed_url_never_shows_its_password(url: str) -> None:
     assert "hunter2" not in mask_url(url)
-    with pytest.raises(InvalidScheduleError) as raised:
+    with pytest.raises(InvalidSettingsError) as raised:
         Settings(url=url)
     assert "hunter2" not in str(raised.value)
+
+
+# --- the URL's vhost ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "vhost"),
+    [
+        pytest.param("amqp://u:p@h", "/", id="no-path"),
+        pytest.param("amqp://u:p@h/", "/", id="slash"),
+        pytest.param("amqp://u:p@h/%2F", "/", id="encoded-slash"),
+        pytest.param("amqp://u:p@h:5672/prod?heartbeat=30", "prod", id="query"),
+        pytest.param("amqp://u:p@h/team%2Fa%20b%231%25%C3%A9", "team/a b#1%é", id="F24"),
+    ],
+)
+def test_vhost_is_the_urls_path_percent_decoded(url: str, vhost: str) -> None:
+    assert Settings(url=url).vhost == vhost

@@ -46,9 +46,9 @@ def test_patterns(pattern: str, exchange: str, routing_key: str, allowed: bool) 
 
 
 def test_a_pattern_without_slash_is_refused_with_the_fix() -> None:
-    with pytest.raises(hopsched.InvalidScheduleError, match=r"EXCHANGE/ROUTING-KEY.*'/reminders'"):
+    with pytest.raises(hopsched.InvalidSettingsError, match=r"EXCHANGE/ROUTING-KEY.*'/reminders'"):
         hopsched.Settings(allowed_targets=("reminders",))
-    with pytest.raises(hopsched.InvalidScheduleError, match="tuple of patterns"):
+    with pytest.raises(hopsched.InvalidSettingsError, match="tuple of patterns"):
         hopsched.Settings(allowed_targets="/reminders")  # type: ignore[arg-type]
 
 

@@ -1,0 +1,83 @@
+"""Acknowledging deliveries that finish out of order, with as few ``basic.ack`` as can be.
+
+Deliveries on a channel carry increasing tags, but the relay finishes them out of
+order (a held message waits up to the hold window; a hop is done at its confirm). Once
+per event-loop iteration, the finished run at the front of the outstanding tags is
+acked with one ``multiple=true`` ack, and any finished tag behind an unfinished one is
+acked alone, so no finished delivery keeps its prefetch slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from hopsched import amqp
+
+__all__ = ["Acker"]
+
+
+class Acker:
+    """Acks deliveries of one consumer channel.
+
+    Call ``received(tag)`` for every delivery in order, then ``done(tag)`` or
+    ``rejected(tag)`` once each.
+    """
+
+    def __init__(self, channel: amqp.Channel) -> None:
+        self._channel = channel
+        self._loop = asyncio.get_running_loop()
+        self._outstanding: deque[int] = deque()
+        self._finished: set[int] = set()
+        self._sent: set[int] = set()  # settled alone while an older tag is outstanding
+        self._scheduled = False
+        self._settled = asyncio.Event()
+        self._settled.set()
+
+    def __len__(self) -> int:
+        """Deliveries received and not yet settled."""
+        return len(self._outstanding) - len(self._finished) - len(self._sent)
+
+    def received(self, delivery_tag: int) -> None:
+        self._outstanding.append(delivery_tag)
+        self._settled.clear()
+
+    async def settled(self) -> None:
+        """Return once every delivery received so far is settled and its ack sent."""
+        await self._settled.wait()
+
+    def done(self, delivery_tag: int) -> None:
+        """Ack ``delivery_tag`` (in this loop iteration's batch)."""
+        self._finished.add(delivery_tag)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def rejected(self, delivery_tag: int) -> None:
+        """Hand ``delivery_tag`` back to the broker to dead-letter (``basic.nack``,
+        requeue=false): ``{prefix}.relay`` dead-letters into the parking queue."""
+        self._channel.nack(delivery_tag, requeue=False)
+        self._sent.add(delivery_tag)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        outstanding, finished, sent = self._outstanding, self._finished, self._sent
+        last = None
+        while outstanding:
+            front = outstanding[0]
+            if front in finished:
+                finished.discard(front)
+                last = front
+            elif front in sent:
+                sent.discard(front)
+            else:
+                break
+            outstanding.popleft()
+        if last is not None:
+            self._channel.ack(last, multiple=True)
+        for tag in finished:
+            self._channel.ack(tag)
+        sent.update(finished)
+        finished.clear()
+        if not len(self):
+            self._settled.set()

@@ -1,0 +1,507 @@
+"""An AMQP 0-9-1 connection on ``asyncio.Protocol``: handshake, heartbeats, blocking, close.
+
+Writes are buffered and sent once per event-loop iteration (after the frames of one
+read are handled, or on the next ``call_soon``), so a relay that acks and publishes
+for a batch of deliveries makes one ``send()`` for all of them.
+
+The broker's side of each step follows RabbitMQ's AMQP 0-9-1 reference
+(https://www.rabbitmq.com/amqp-0-9-1-reference) and its extensions: publisher
+confirms, consumer cancel notifications, ``connection.blocked``
+(https://www.rabbitmq.com/docs/connection-blocked) and
+``authentication_failure_close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from pamqp import commands
+from pamqp.base import Frame
+
+from hopsched.amqp.channel import Channel
+from hopsched.amqp.wire import (
+    FRAME_HEARTBEAT,
+    FRAME_METHOD,
+    HEARTBEAT_FRAME,
+    PROTOCOL_HEADER,
+    FrameError,
+    FrameReader,
+    decode_method,
+    method_frame,
+)
+from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
+from hopsched.settings import mask_url
+
+__all__ = ["Connection", "ConnectionParams", "connect"]
+
+log = logging.getLogger("hopsched.amqp")
+
+#: RabbitMQ's default channel_max; a client may ask for fewer, never more.
+_CHANNEL_MAX = 2047
+_REPLY_SUCCESS = 200
+_DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionParams:
+    """Where and how to connect, parsed from an AMQP URL.
+
+    The query options are aio-pika's (and aiormq's), so one URL serves both:
+    ``heartbeat`` (s), ``auth=external`` (TLS client certificate), ``cafile``,
+    ``capath``, ``certfile``, ``keyfile``, ``no_verify_ssl=1``, ``name``.
+    """
+
+    url: str
+    host: str
+    port: int
+    vhost: str
+    username: str
+    password: str
+    tls: bool
+    heartbeat_s: int
+    mechanism: str
+    name: str | None
+    options: dict[str, str]
+
+    @classmethod
+    def from_url(cls, url: str) -> ConnectionParams:
+        """Raises ValueError: not an amqp(s) URL."""
+        parts = urlsplit(url)
+        if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+            raise ValueError(f"{mask_url(url)}: not an amqp:// or amqps:// URL with a host")
+        options = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        path = parts.path[1:] if parts.path.startswith("/") else parts.path
+        return cls(
+            url=url,
+            host=parts.hostname,
+            port=parts.port or _DEFAULT_PORTS[parts.scheme],
+            vhost=unquote(path) if path else "/",
+            username=unquote(parts.username or "guest"),
+            password=unquote(parts.password or "guest"),
+            tls=parts.scheme == "amqps",
+            # 20 s: a frozen broker or a dead network is noticed within 40 s (two missed
+            # heartbeats), where RabbitMQ's 60 s default would take two minutes.
+            heartbeat_s=int(options.get("heartbeat", "20")),
+            mechanism=options.get("auth", "plain").upper(),
+            name=options.get("name"),
+            options=options,
+        )
+
+    @property
+    def masked_url(self) -> str:
+        return mask_url(self.url)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context the query options describe, or None for ``amqp://``."""
+        if not self.tls:
+            return None
+        context = ssl.create_default_context(
+            cafile=self.options.get("cafile"), capath=self.options.get("capath")
+        )
+        if "certfile" in self.options:
+            context.load_cert_chain(self.options["certfile"], self.options.get("keyfile"))
+        if self.options.get("no_verify_ssl", "0") != "0":
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+
+async def connect(
+    params: ConnectionParams, *, name: str = "hopsched", timeout_s: float = 10.0
+) -> Connection:
+    """Open a connection: TCP (or TLS), the AMQP handshake, ``connection.open``.
+
+    Raises:
+        BrokerUnavailableError: no AMQP handshake within ``timeout_s``, login refused,
+            vhost missing or not allowed; the text names the masked URL.
+        OSError: the TCP connect failed, or TLS did (``ssl.SSLError``, also for a client
+            certificate the broker refuses after the handshake, as TLS 1.3 does).
+    """
+    loop = asyncio.get_running_loop()
+    connection = Connection(params, name=params.name or name)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await loop.create_connection(
+                lambda: connection,
+                params.host,
+                params.port,
+                ssl=params.ssl_context(),
+                server_hostname=params.host if params.tls else None,
+            )
+            await connection._handshake()
+    except TimeoutError:
+        connection.abort()
+        raise BrokerUnavailableError(
+            f"{params.masked_url}: no AMQP handshake within {timeout_s:g} s; is this "
+            "RabbitMQ's AMQP port (5672, or 5671 for amqps)?"
+        ) from None
+    except BaseException:
+        connection.abort()
+        raise
+    return connection
+
+
+class Connection(asyncio.Protocol):
+    """One AMQP connection. Use ``connect()`` to open one.
+
+    Attributes:
+        frame_max: negotiated largest frame, bytes (RabbitMQ's default is 131,072).
+        heartbeat_s: negotiated heartbeat interval, s (0: none).
+        server_properties: what the broker said of itself in ``connection.start``.
+        blocked: the broker's reason while it blocks publishers (``connection.blocked``,
+            e.g. "low on memory"), else None.
+        closed: done once the connection is gone; its result is the reason.
+    """
+
+    def __init__(self, params: ConnectionParams, *, name: str) -> None:
+        self.params = params
+        self.name = name
+        self.frame_max = 131_072
+        self.channel_max = _CHANNEL_MAX
+        self.heartbeat_s = 0
+        self.server_properties: dict[str, Any] = {}
+        self.blocked: str | None = None
+        self.on_blocked: list[Callable[[str | None], None]] = []
+        self._loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[BrokerConnectionLost] = self._loop.create_future()
+        self._transport: asyncio.Transport | None = None
+        self._reader = FrameReader()
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self._handshake_waiter: asyncio.Future[Frame] | None = None
+        self._channels: dict[int, Channel] = {}
+        self._last_received = time.monotonic()
+        self._last_sent = time.monotonic()
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
+        self._close_ok: asyncio.Future[None] | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    # --- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.write(PROTOCOL_HEADER)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_received = time.monotonic()
+        try:
+            frames = self._reader.feed(data)
+        except FrameError as error:
+            self._fail(f"received malformed AMQP data ({error})")
+            return
+        channels = self._channels
+        for kind, number, payload in frames:
+            if number:
+                channel = channels.get(number)
+                if channel is not None:
+                    channel.frame_received(kind, payload)
+            elif kind == FRAME_METHOD:
+                self._connection_method(payload)
+            elif kind != FRAME_HEARTBEAT:
+                self._fail(f"unexpected frame type {kind} on channel 0")
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed.done():
+            error = self.closed.result()
+        else:
+            reason = f"connection to {self.params.masked_url} lost"
+            if exc is not None:
+                reason += f" ({exc or type(exc).__name__})"
+            error = BrokerConnectionLost(reason)
+            error.__cause__ = exc
+            self.closed.set_result(error)
+        if self._heartbeat_timer is not None:
+            self._heartbeat_timer.cancel()
+        for waiter in (self._handshake_waiter, self._close_ok):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(error)
+        for channel in list(self._channels.values()):
+            channel.connection_lost(error)
+        self._channels.clear()
+        self._writable.set()  # wake writers: they find the connection closed
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        """Queue ``data`` for the socket; sent at the end of this loop iteration."""
+        self._out.append(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._out:
+            return
+        data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+        self._out.clear()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+            self._last_sent = time.monotonic()
+
+    @property
+    def is_open(self) -> bool:
+        return not self.closed.done()
+
+    async def writable(self) -> None:
+        """Return once the socket's send buffer is below its high-water mark."""
+        await self._writable.wait()
+
+    # --- channels --------------------------------------------------------------------------
+
+    async def channel(self) -> Channel:
+        """Open a new channel.
+
+        Raises:
+            BrokerConnectionLost: the connection is gone.
+            BrokerUnavailableError: every channel number is in use.
+        """
+        if self.closed.done():
+            raise self.closed.result().with_traceback(None)  # raised again and again
+        number = next((n for n in range(1, self.channel_max + 1) if n not in self._channels), None)
+        if number is None:
+            raise BrokerUnavailableError(f"all {self.channel_max} channels are in use")
+        channel = Channel(self, number)
+        self._channels[number] = channel
+        try:
+            await channel.call(commands.Channel.Open())
+        except BaseException:
+            self._channels.pop(number, None)
+            raise
+        return channel
+
+    def channel_released(self, number: int) -> None:
+        """Called by a channel once the broker confirmed its close."""
+        self._channels.pop(number, None)
+
+    # --- connection methods ----------------------------------------------------------------
+
+    def _connection_method(self, payload: bytes) -> None:
+        try:
+            method = decode_method(payload)
+        except FrameError as error:
+            self._fail(str(error))
+            return
+        if isinstance(method, commands.Connection.Close):
+            self.send(method_frame(0, commands.Connection.CloseOk()))
+            self._flush()
+            text = f"{method.reply_code} {method.reply_text}"
+            self._set_closed(
+                BrokerConnectionLost(
+                    f"the broker closed the connection to {self.params.masked_url}: {text}",
+                    method.reply_code or 0,
+                    method.reply_text or "",
+                )
+            )
+            if self._transport is not None:
+                self._transport.close()
+        elif isinstance(method, commands.Connection.CloseOk):
+            if self._close_ok is not None and not self._close_ok.done():
+                self._close_ok.set_result(None)
+        elif isinstance(method, commands.Connection.Blocked):
+            self.blocked = method.reason or "blocked"
+            log.warning(
+                "the broker blocks publishing on %s: %s", self.params.masked_url, self.blocked
+            )
+            self._blocked_changed()
+        elif isinstance(method, commands.Connection.Unblocked):
+            self.blocked = None
+            log.info("the broker unblocked publishing on %s", self.params.masked_url)
+            self._blocked_changed()
+        elif self._handshake_waiter is not None and not self._handshake_waiter.done():
+            self._handshake_waiter.set_result(method)
+        else:
+            self._fail(f"unexpected method {method.name} on channel 0")
+
+    def _blocked_changed(self) -> None:
+        """Run the ``on_blocked`` callbacks; one that raises is logged (raised into
+        ``data_received`` it would drop the connection)."""
+        for callback in self.on_blocked:
+            try:
+                callback(self.blocked)
+            except Exception:
+                log.exception("an on_blocked callback failed")
+
+    def _set_closed(self, error: BrokerConnectionLost) -> None:
+        if not self.closed.done():
+            self.closed.set_result(error)
+
+    def _fail(self, reason: str) -> None:
+        """A protocol violation or a dead peer: drop the connection."""
+        self._set_closed(BrokerConnectionLost(f"{self.params.masked_url}: {reason}"))
+        self.abort()
+
+    def abort(self) -> None:
+        """Drop the connection at once, without the closing handshake."""
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def _next_method(self) -> Frame:
+        self._handshake_waiter = self._loop.create_future()
+        try:
+            return await self._handshake_waiter
+        finally:
+            self._handshake_waiter = None
+
+    async def _handshake(self) -> None:
+        params = self.params
+        try:
+            start = await self._next_method()
+        except BrokerConnectionLost as error:
+            if isinstance(error.__cause__, ssl.SSLError):
+                # TLS 1.3: the client's handshake completes before the broker checks its
+                # certificate, so a refusal (e.g. certificate required) comes as an alert
+                # now; raised as the TLS error it is, like one during the handshake.
+                raise error.__cause__ from None
+            raise BrokerUnavailableError(
+                f"{params.masked_url}: the peer closed the connection before the AMQP "
+                "handshake; is this RabbitMQ's AMQP port?"
+            ) from None
+        if not isinstance(start, commands.Connection.Start):
+            raise BrokerUnavailableError(f"{params.masked_url}: not an AMQP 0-9-1 broker")
+        self.server_properties = dict(start.server_properties or {})
+        offered = (start.mechanisms or "").split()
+        if params.mechanism not in offered:
+            raise BrokerUnavailableError(
+                f"{params.masked_url}: the broker offers authentication {offered}, not "
+                f"{params.mechanism} (URL option auth=)"
+            )
+        response = f"\0{params.username}\0{params.password}" if params.mechanism == "PLAIN" else ""
+        self.send(
+            method_frame(
+                0,
+                commands.Connection.StartOk(
+                    client_properties=_client_properties(self.name),
+                    mechanism=params.mechanism,
+                    response=response,
+                ),
+            )
+        )
+        tune = await self._expect(commands.Connection.Tune, "login")
+        self.channel_max = min(tune.channel_max or _CHANNEL_MAX, _CHANNEL_MAX)
+        self.frame_max = tune.frame_max or self.frame_max
+        self._reader.frame_max = self.frame_max
+        self.heartbeat_s = params.heartbeat_s
+        self.send(
+            method_frame(
+                0,
+                commands.Connection.TuneOk(
+                    channel_max=self.channel_max,
+                    frame_max=self.frame_max,
+                    heartbeat=self.heartbeat_s,
+                ),
+            )
+        )
+        self.send(method_frame(0, commands.Connection.Open(virtual_host=params.vhost)))
+        await self._expect(commands.Connection.OpenOk, "open")
+        if self.heartbeat_s:
+            self._schedule_heartbeat()
+
+    async def _expect(self, kind: type[Any], step: str) -> Any:
+        params = self.params
+        try:
+            method = await self._next_method()
+        except BrokerConnectionLost as error:
+            said = f"{error.reply_code} {error.reply_text}" if error.reply_code else "no reason"
+            if step == "login":
+                raise BrokerUnavailableError(
+                    f"{params.masked_url}: login refused ({said}); check the user name and "
+                    "password in the URL (percent-encode '/', '#', '?', '@' and ':' in them)"
+                ) from None
+            raise BrokerUnavailableError(
+                f"{params.masked_url}: the broker refused the vhost {params.vhost!r} ({said}); "
+                "check that it exists and the user may use it "
+                "(rabbitmqctl list_permissions -p VHOST)"
+            ) from None
+        if not isinstance(method, kind):
+            raise BrokerUnavailableError(
+                f"{params.masked_url}: expected {kind.__name__} while {step}, got {method.name}"
+            )
+        return method
+
+    # --- heartbeats ------------------------------------------------------------------------
+
+    def _schedule_heartbeat(self) -> None:
+        self._heartbeat_timer = self._loop.call_later(self.heartbeat_s / 2, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        """Send a heartbeat if nothing else went out lately; drop a silent broker.
+
+        RabbitMQ considers a peer dead after two missed heartbeats
+        (https://www.rabbitmq.com/docs/heartbeats); so does this side.
+        """
+        now = time.monotonic()
+        if now - self._last_received > 2 * self.heartbeat_s:
+            self._fail(
+                f"no data from the broker for {now - self._last_received:.0f} s "
+                f"(heartbeat {self.heartbeat_s} s): it is frozen or the network is down"
+            )
+            return
+        if now - self._last_sent >= self.heartbeat_s / 2 and self._transport is not None:
+            self.send(HEARTBEAT_FRAME)
+        self._schedule_heartbeat()
+
+    # --- closing ---------------------------------------------------------------------------
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Close cleanly (``connection.close``), or drop it after ``timeout_s``.
+
+        A broker that blocks this connection (a resource alarm) reads nothing from it,
+        so its ``close-ok`` never comes: the timeout bounds the wait.
+        """
+        if self.closed.done() or self._transport is None:
+            self.abort()
+            return
+        self._close_ok = self._loop.create_future()
+        self.send(
+            method_frame(
+                0,
+                commands.Connection.Close(
+                    reply_code=_REPLY_SUCCESS,
+                    reply_text="closed by hopsched",
+                    class_id=0,
+                    method_id=0,
+                ),
+            )
+        )
+        self._set_closed(BrokerConnectionLost(f"connection to {self.params.masked_url} closed"))
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._close_ok
+        except (TimeoutError, BrokerConnectionLost):
+            # No close-ok: a blocked broker reads nothing more, so transport.close()
+            # would wait for ever to send what is still buffered; drop it instead.
+            self.abort()
+            return
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _client_properties(name: str) -> dict[str, Any]:
+    return {
+        "product": "hopsched",
+        "connection_name": name,
+        "capabilities": {
+            "authentication_failure_close": True,
+            "basic.nack": True,
+            "connection.blocked": True,
+            "consumer_cancel_notify": True,
+            "publisher_confirms": True,
+        },
+    }

@@ -1,0 +1,167 @@
+"""Cancellations and reschedules: what every relay of a prefix has been told. Pure: no
+I/O; the clock comes in as arguments.
+
+``Scheduler.cancel`` and ``Scheduler.reschedule`` append records to the prefix's
+stream ``{prefix}.cancelled`` (a RabbitMQ stream: replicated, read by every relay from
+its start); each relay applies them to its ``Cancellations`` and asks it about every
+message before every hop and before the final publish.
+
+A record applies to the messages of its schedule id *created* (scheduled) before it,
+by the clocks of the two producers: a message scheduled again with the same id after a
+cancel is a new schedule and is delivered. A reschedule moves those messages to a new
+due time.
+
+Records are kept until their schedule can no longer come by: the due time, where the
+record knows it (a reschedule; a cancel once a relay has seen the message), plus
+``GRACE_US`` for copies a crash may have left; otherwise until ``retention_us`` after
+the record, which is at least the top step (every pending message visits a relay at
+least that often, so it meets the record while it is kept).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "CANCEL",
+    "GRACE_US",
+    "MARKER",
+    "RESCHEDULE",
+    "Cancellations",
+    "Record",
+    "decode_records",
+    "encode_records",
+]
+
+CANCEL, RESCHEDULE = "cancel", "reschedule"
+#: A record a relay writes and reads back to know it has read every record before it.
+MARKER = "marker"
+#: How long past its due time a record is kept, µs: a relay crash can leave a second copy
+#: of a message on the ladder, which must meet the record too.
+GRACE_US = 3_600_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One cancel or reschedule.
+
+    Attributes:
+        op: ``"cancel"``, ``"reschedule"``, or a relay's ``"marker"``.
+        schedule_id: the schedule it applies to.
+        at_us: when it was made, µs since the epoch (the canceller's clock): it applies
+            to messages created before.
+        due_us: a reschedule's new due time; a cancel's due time if the canceller knew it.
+    """
+
+    op: str
+    schedule_id: str
+    at_us: int
+    due_us: int | None = None
+
+
+def encode_records(records: Iterable[Record]) -> bytes:
+    """Records as a stream message's body: one JSON object per line."""
+    return b"".join(
+        json.dumps(
+            {"op": r.op, "id": r.schedule_id, "at": r.at_us, "due": r.due_us},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        ).encode()
+        + b"\n"
+        for r in records
+    )
+
+
+def decode_records(body: bytes) -> Iterator[Record]:
+    """The records of a stream message's body; a line that is not one is skipped (a
+    newer hopsched's record, or noise: a relay must never stop on its stream)."""
+    for line in body.splitlines():
+        try:
+            fields = json.loads(line)
+            record = Record(fields["op"], fields["id"], fields["at"], fields.get("due"))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if (
+            record.op in (CANCEL, RESCHEDULE, MARKER)
+            and isinstance(record.schedule_id, str)
+            and type(record.at_us) is int
+            and (record.due_us is None or type(record.due_us) is int)
+            and (record.op != RESCHEDULE or record.due_us is not None)
+        ):
+            yield record
+
+
+class Cancellations:
+    """The records a relay has read, by schedule id.
+
+    Args:
+        retention_us: how long a record whose schedule's due time is unknown is kept.
+
+    Memory: a cancel whose due time is unknown (the common case) is one entry keyed by
+    the id's UTF-8 bytes with its instant as the value, about 180 bytes for a 32-character
+    id (``tests/test_cancel_records.py``); records that know a due time keep a tuple.
+    """
+
+    def __init__(self, retention_us: int) -> None:
+        self.retention_us = retention_us
+        self._cancelled: dict[bytes, int] = {}  # id -> when; due time unknown
+        self._timed: dict[bytes, tuple[str, int, int]] = {}  # id -> (op, when, due)
+
+    def __len__(self) -> int:
+        return len(self._cancelled) + len(self._timed)
+
+    def _known(self, key: bytes) -> tuple[str, int, int | None] | None:
+        at = self._cancelled.get(key)
+        if at is not None:
+            return CANCEL, at, None
+        return self._timed.get(key)
+
+    def apply(self, record: Record) -> None:
+        """Add a record; of two for one id, the later one (by ``at_us``) stands. A
+        marker is none of its business."""
+        if record.op == MARKER:
+            return
+        key = record.schedule_id.encode()
+        known = self._known(key)
+        if known is not None and record.at_us < known[1]:
+            return
+        self._cancelled.pop(key, None)
+        self._timed.pop(key, None)
+        if record.due_us is None:
+            self._cancelled[key] = record.at_us
+        else:
+            self._timed[key] = (record.op, record.at_us, record.due_us)
+
+    def verdict(self, schedule_id: str, created_us: int, due_us: int) -> str | int | None:
+        """What applies to a message created at ``created_us`` and due at ``due_us``:
+        ``CANCEL``, a new due time (µs), or None.
+
+        A cancel that did not know the due time learns it here, so that it is
+        forgotten once that has passed.
+        """
+        if not self._cancelled and not self._timed:
+            return None
+        key = schedule_id.encode()
+        known = self._known(key)
+        if known is None or known[1] < created_us:
+            return None
+        op, at, record_due = known
+        if op == CANCEL:
+            if record_due is None:
+                del self._cancelled[key]
+                self._timed[key] = (op, at, due_us)
+            return CANCEL
+        return record_due if record_due != due_us else None
+
+    def forget(self, now_us: int) -> int:
+        """Drop the records no message can meet any more; returns how many."""
+        horizon = now_us - self.retention_us
+        stale = [key for key, at in self._cancelled.items() if at < horizon]
+        for key in stale:
+            del self._cancelled[key]
+        timed = [key for key, (_, _, due) in self._timed.items() if due + GRACE_US < now_us]
+        for key in timed:
+            del self._timed[key]
+        return len(stale) + len(timed)

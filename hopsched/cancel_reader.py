@@ -1,0 +1,143 @@
+"""A relay's reading of ``{prefix}.cancelled``: the I/O around ``hopsched.cancel``.
+
+``CancelReader`` belongs to a relay and outlives its connections: each new connection
+resumes the stream at the offset the last one reached (the first starts at the
+stream's first record), and ``follow`` returns only once the reading has caught up
+with every record written before it was called. A relay must not deliver a message for
+want of a cancel it had not read, so it consumes its queue only after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from hopsched import amqp
+from hopsched.acks import Acker
+from hopsched.cancel import MARKER, Cancellations, Record, decode_records, encode_records
+from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
+from hopsched.publisher import LADDER_LANE, Publisher
+
+__all__ = ["CancelReader"]
+
+log = logging.getLogger("hopsched.relay")
+
+#: Stream messages read ahead of their acks (a stream consumer needs a prefetch); each
+#: holds up to 1,000 records.
+_PREFETCH = 2000
+_PERSISTENT = amqp.Properties(delivery_mode=2).encode()
+
+
+class CancelReader:
+    """Follows one prefix's cancellation stream into ``cancellations``.
+
+    Args:
+        stream: the stream's name, ``{prefix}.cancelled``.
+        cancellations: where each record read is applied.
+        clock: µs since the epoch (the marker's instant).
+
+    """
+
+    def __init__(self, stream: str, cancellations: Cancellations, clock: Callable[[], int]) -> None:
+        self.stream = stream
+        self.cancellations = cancellations
+        self.clock = clock
+        self._offset: int | str = "first"  # where the next connection resumes
+
+    async def follow(
+        self,
+        connection: amqp.Connection,
+        publisher: Publisher,
+        on_record: Callable[[str], None],
+    ) -> asyncio.Future[None]:
+        """Consume the stream on a channel of ``connection`` and return once every record
+        written before this call is read; then go on following it. ``on_record(id)`` is
+        called after each record (not markers) is applied.
+
+        A marker record of this call's own, written through ``publisher`` and read back,
+        says the reading has caught up.
+
+        Returns:
+            A future that completes if the broker cancels the reading (the stream was
+            deleted): the caller starts over on a new connection.
+
+        Raises:
+            BrokerUnavailableError: the stream did not take the marker (nack, return).
+            BrokerConnectionLost, ChannelClosedError: the connection or the channel went
+                (e.g. the stream is down: 404 on consume).
+        """
+        marker = uuid.uuid4().hex
+        caught_up = asyncio.Event()
+        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        channel = await connection.channel()
+        await channel.qos(_PREFETCH)
+        acker = Acker(channel)
+        read = 0
+
+        def received(delivery: amqp.Delivery) -> None:
+            nonlocal read
+            acker.received(delivery.delivery_tag)
+            acker.done(delivery.delivery_tag)
+            headers = delivery.properties.headers if delivery.properties is not None else None
+            offset = headers.get("x-stream-offset") if headers is not None else None
+            if type(offset) is int:
+                self._offset = offset + 1
+            for record in decode_records(delivery.body):
+                if record.op == MARKER:
+                    if record.schedule_id == marker:
+                        caught_up.set()
+                    continue
+                self.cancellations.apply(record)
+                read += 1
+                on_record(record.schedule_id)
+
+        def cancelled(_: Any) -> None:
+            if not lost.done():
+                lost.set_result(None)
+
+        await channel.consume(
+            self.stream, received, cancelled, arguments={"x-stream-offset": self._offset}
+        )
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def written(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is not amqp.Outcome.ACK and not refused.done():
+                refused.set_exception(
+                    BrokerUnavailableError(
+                        f"{self.stream} did not take this relay's marker record "
+                        f"({outcome.value}: {detail})"
+                    )
+                )
+
+        record = encode_records([Record(MARKER, marker, self.clock())])
+        publisher.publish(LADDER_LANE, "", self.stream, record, _PERSISTENT, written)
+        started = time.monotonic()
+        waits: set[asyncio.Future[Any]] = {
+            asyncio.ensure_future(caught_up.wait()),
+            asyncio.ensure_future(asyncio.shield(connection.closed)),
+            asyncio.ensure_future(asyncio.shield(channel.closed)),
+            asyncio.ensure_future(asyncio.shield(lost)),
+            refused,
+        }
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in waits:
+            waiting.cancel()
+        if not caught_up.is_set():
+            if refused.done() and not refused.cancelled():
+                refused.result()  # raises
+            if lost.done():
+                raise BrokerConnectionLost(f"the broker cancelled the reading of {self.stream}")
+            if channel.closed.done():
+                raise channel.closed.result()
+            raise connection.closed.result()
+        log.info(
+            "read %d cancel and reschedule records in %.1f s (%d pending)",
+            read,
+            time.monotonic() - started,
+            len(self.cancellations),
+        )
+        return lost

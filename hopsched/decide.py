@@ -1,0 +1,149 @@
+"""What the relay does with each delivery, and with a final publish the target refused.
+Pure: no I/O; the clock comes in as ``now_us``.
+
+``Decider.decide`` turns a delivery's headers into ``Park(reason)``, ``Cancel`` (its
+schedule was cancelled) or ``Route(envelope, plan)``, the plan being the ladder's
+``Hop(step)`` or ``Hold(wait)`` (a reschedule has moved the envelope's due time).
+``Decider.after_refusal`` answers a negative confirm on the final publish (a full
+target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
+once the refusals have lasted ``retry_for_us``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hopsched.cancel import CANCEL, Cancellations
+from hopsched.envelope import Envelope
+from hopsched.errors import EnvelopeError, InvalidScheduleError
+from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.targets import TargetPolicy
+from hopsched.validate import check_expiration
+
+__all__ = ["RETRY_FIRST_MS", "RETRY_MAX_MS", "Cancel", "Decider", "Park", "Route"]
+
+#: The first wait before a refused final publish is tried again, ms; it doubles with
+#: each refusal up to ``RETRY_MAX_MS``.
+RETRY_FIRST_MS = 1024
+RETRY_MAX_MS = 32_768
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Move the message to ``{prefix}.parked`` with ``reason``; ``kind`` classes the
+    cause for counting (``malformed``, ``user_id``, ``not_allowed``, ``invalid``,
+    ``retries_exhausted``, and the relay's own: ``unroutable``, ``refused``,
+    ``too_large``, ``undecodable``)."""
+
+    reason: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Its schedule was cancelled: ack it, publish nothing."""
+
+    envelope: Envelope
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Follow ``plan`` (a hop, or a hold until due; ``Hold(0)`` delivers now)."""
+
+    envelope: Envelope
+    plan: Hop | Hold
+
+
+@dataclass(frozen=True, slots=True)
+class Decider:
+    """The relay's rules, for one ladder, login and allow list.
+
+    Args:
+        ladder: steps, hold window and configured hop margin.
+        login: the user the relay logs in as; RabbitMQ refuses to publish a message
+            whose ``user_id`` is another (https://www.rabbitmq.com/docs/validated-user-id).
+        targets: the allow list (``Settings.allowed_targets``).
+        retry_for_us: how long a target may refuse a message before it is parked, µs.
+    """
+
+    ladder: Ladder
+    login: str
+    targets: TargetPolicy
+    retry_for_us: int
+
+    def decide(
+        self,
+        headers: Mapping[str, Any] | None,
+        user_id: str | None,
+        now_us: int,
+        *,
+        crowded: bool,
+        margin_ms: int,
+        cancellations: Cancellations | None = None,
+    ) -> Park | Cancel | Route:
+        """Park, hop or hold a delivery arriving at ``now_us`` (µs since the epoch).
+
+        Args:
+            headers: the delivery's headers.
+            user_id: its ``user_id`` property.
+            crowded: the relay holds as many messages as it should: hop whatever a step
+                fits, with the configured margin, so its prefetch frees up for deliveries
+                due now (a learnt margin grows with the relay's own backlog and would keep
+                them held).
+            margin_ms: the hop margin learnt from recent overshoot (``OvershootTracker``).
+            cancellations: the cancels and reschedules read so far.
+        """
+        try:
+            envelope = Envelope.from_headers(headers)
+        except EnvelopeError as error:
+            return Park(f"malformed envelope: {error.reason}", "malformed")
+        if user_id is not None and user_id != self.login:
+            return Park(
+                f"user_id {user_id!r} is not this relay's login {self.login!r}: RabbitMQ "
+                "refuses to publish it (https://www.rabbitmq.com/docs/validated-user-id); "
+                "run the relay as that user",
+                "user_id",
+            )
+        if cancellations is not None:
+            verdict = cancellations.verdict(
+                envelope.schedule_id, envelope.created_us, envelope.due_us
+            )
+            if verdict == CANCEL:
+                return Cancel(envelope)
+            if isinstance(verdict, int):
+                envelope = dataclasses.replace(envelope, due_us=verdict)
+        if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
+            return Park(refusal, "not_allowed")
+        if envelope.expiration is not None:
+            try:
+                check_expiration(envelope.expiration)
+            except InvalidScheduleError as error:
+                return Park(f"the broker would refuse the final publish: {error}", "invalid")
+        if crowded:
+            plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hold_window_ms=0)
+        else:
+            plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms)
+        return Route(envelope, plan)
+
+    def after_refusal(self, envelope: Envelope, now_us: int, refusal: str) -> Park | Hop:
+        """The target refused the final publish at ``now_us``: wait a hop, or park.
+
+        The wait doubles from ``RETRY_FIRST_MS`` to ``RETRY_MAX_MS`` (as ladder steps).
+        """
+        since_us = envelope.retry_since_us if envelope.retry_since_us is not None else now_us
+        attempts = envelope.retries + 1
+        if now_us - since_us >= self.retry_for_us:
+            return Park(
+                f"{refusal}; refused {attempts} times over {(now_us - since_us) / 1_000_000:.0f} s",
+                "retries_exhausted",
+            )
+        wait_ms = min(RETRY_FIRST_MS << min(envelope.retries, 16), RETRY_MAX_MS)
+        left_ms = (since_us + self.retry_for_us - now_us) // US_PER_MS
+        wait_ms = max(min(wait_ms, left_ms), self.ladder.min_step_ms)
+        step = self.ladder.min_step_ms
+        while step * 2 <= min(wait_ms, self.ladder.max_step_ms):
+            step *= 2
+        return Hop(step)

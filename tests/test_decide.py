@@ -1,0 +1,161 @@
+"""The relay's per-delivery decision and its answer to a refused final publish, from
+tables: no broker, the clock passed in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hopsched.decide import RETRY_FIRST_MS, RETRY_MAX_MS, Decider, Park, Route
+from hopsched.envelope import HEADER_DUE, HEADER_EXPIRATION, HEADER_VERSION, Envelope
+from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.targets import TargetPolicy
+
+NOW = 1_800_000_000_000_000  # µs since the epoch
+S = 1_000_000  # µs in a second
+DECIDER = Decider(Ladder(), "guest", TargetPolicy(()), retry_for_us=300 * S)
+
+
+def headers(due_in_us: int = 10 * S, **changes: Any) -> dict[str, Any]:
+    values = Envelope("id-1", NOW + due_in_us, "orders", "timeout", hops=1).to_headers()
+    values.update(changes)
+    return values
+
+
+def decide(
+    values: dict[str, Any] | None,
+    *,
+    user_id: str | None = None,
+    crowded: bool = False,
+    margin_ms: int = 20,
+    decider: Decider = DECIDER,
+) -> Park | Route:
+    return decider.decide(values, user_id, NOW, crowded=crowded, margin_ms=margin_ms)
+
+
+@pytest.mark.parametrize(
+    ("values", "user_id", "kind", "says"),
+    [
+        (None, None, "malformed", "'x-hopsched-version' is missing"),
+        (headers(**{HEADER_DUE: "soon"}), None, "malformed", "must be int"),
+        (headers(**{HEADER_VERSION: 2}), None, "malformed", "reads version 1"),
+        (headers(), "mallory", "user_id", "run the relay as that user"),
+        (headers(**{HEADER_EXPIRATION: "-5"}), None, "invalid", "expiration"),
+        (headers(**{HEADER_EXPIRATION: "soon"}), None, "invalid", "expiration"),
+    ],
+)
+def test_what_cannot_be_delivered_is_parked_with_its_reason(
+    values: dict[str, Any] | None, user_id: str | None, kind: str, says: str
+) -> None:
+    decision = decide(values, user_id=user_id)
+
+    assert isinstance(decision, Park)
+    assert decision.kind == kind
+    assert says in decision.reason
+
+
+def test_a_target_outside_the_allow_list_is_parked() -> None:
+    strict = Decider(Ladder(), "guest", TargetPolicy(["orders/payment.*"]), 300 * S)
+
+    decision = decide(headers(), decider=strict)
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "not_allowed"
+    assert "'orders/payment.*'" in decision.reason
+
+
+def test_the_login_user_id_and_a_valid_expiration_are_routed() -> None:
+    decision = decide(headers(**{HEADER_EXPIRATION: "60000"}), user_id="guest")
+
+    assert isinstance(decision, Route)
+    assert decision.envelope.expiration == "60000"
+
+
+@pytest.mark.parametrize(
+    ("due_in_us", "crowded", "margin_ms", "plan"),
+    [
+        # the default hold window is 4 s, and a hop lands at least 2 s before due
+        (10 * S, False, 20, Hop(4096)),  # 10 s - 2 s: 8 s, the largest step 4.096 s
+        (6_096_000, False, 20, Hop(4096)),  # exactly step + 2 s
+        (6_095_999, False, 20, Hop(2048)),  # a µs short of it
+        (10 * S, False, 3000, Hop(4096)),  # a learnt margin of 3 s: 7 s left, 4.096 fits
+        (7 * S, False, 3000, Hop(2048)),  # ... but not within 7 s
+        (4 * S, False, 20, Hold(4 * S)),  # the hold window's edge
+        (1 * S, False, 20, Hold(1 * S)),  # inside the hold window: wait
+        (500_000, False, 20, Hold(500_000)),
+        (0, False, 20, Hold(0)),  # due now
+        (-5 * S, False, 20, Hold(0)),  # overdue: deliver at once
+        # crowded: hop whatever a step fits, with the configured margin (20 ms)
+        (1 * S, True, 1000, Hop(512)),
+        (500_000, True, 1000, Hop(256)),
+        (30_000, True, 1000, Hold(30_000)),  # 30 ms - 20 ms leaves 10: no step fits
+    ],
+)
+def test_the_plan_for_each_remaining_time(
+    due_in_us: int, crowded: bool, margin_ms: int, plan: Hop | Hold
+) -> None:
+    decision = decide(headers(due_in_us), crowded=crowded, margin_ms=margin_ms)
+
+    assert isinstance(decision, Route)
+    assert decision.plan == plan
+
+
+@given(
+    due_in_us=st.integers(-(10**12), 10**12), crowded=st.booleans(), margin_ms=st.integers(0, 1000)
+)
+def test_a_route_never_leaves_the_message_past_its_due_time(
+    due_in_us: int, crowded: bool, margin_ms: int
+) -> None:
+    decision = decide(headers(max(due_in_us, -NOW)), crowded=crowded, margin_ms=margin_ms)
+
+    assert isinstance(decision, Route)
+    remaining = decision.envelope.due_us - NOW
+    if isinstance(decision.plan, Hop):
+        assert decision.plan.step_ms * 1000 <= remaining
+    else:
+        assert decision.plan.wait_us == max(0, remaining)
+
+
+# --- a target that refuses the final publish ----------------------------------------------
+
+
+def refused(retries: int, since_s: float | None) -> Envelope:
+    since = None if since_s is None else NOW - int(since_s * S)
+    return Envelope("id-1", NOW - S, "", "full", retries=retries, retry_since_us=since)
+
+
+@pytest.mark.parametrize(
+    ("retries", "since_s", "step"),
+    [
+        (0, None, 1024),
+        (1, 1, 2048),
+        (2, 3, 4096),
+        (4, 15, 16384),
+        (5, 31, 32768),
+        (9, 200, 32768),  # capped
+        (9, 290, 8192),  # never past the retry budget: 10 s left
+    ],
+)
+def test_a_refused_publish_waits_a_doubling_hop(
+    retries: int, since_s: float | None, step: int
+) -> None:
+    decision = DECIDER.after_refusal(refused(retries, since_s), NOW, "full")
+
+    assert decision == Hop(step)
+
+
+def test_the_waits_double_from_the_first_to_the_cap() -> None:
+    assert RETRY_FIRST_MS == 1024
+    assert RETRY_MAX_MS == 32768
+
+
+@pytest.mark.parametrize("since_s", [300, 301, 10_000])
+def test_refusals_lasting_the_retry_budget_park_the_message(since_s: float) -> None:
+    decision = DECIDER.after_refusal(refused(12, since_s), NOW, "the queue is full")
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "retries_exhausted"
+    assert decision.reason.startswith("the queue is full; refused 13 times over")

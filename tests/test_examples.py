@@ -1,0 +1,34 @@
+"""The examples in ``examples/`` run as a user runs them, against the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from support import Cleanup
+
+import hopsched
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+async def test_the_order_timeout_example_delivers_its_message(
+    broker_url: str, cleanup: Cleanup
+) -> None:
+    cleanup.topology(hopsched.Settings(url=broker_url, prefix="hopsched-example"))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(EXAMPLES / "order_timeout.py"),
+        env={**os.environ, "HOPSCHED_URL": broker_url},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+
+    assert process.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert lines[0].startswith("scheduled ")
+    assert lines[1].startswith("received b'{\"order\": 42}'")
+    assert lines[0].split()[1] in lines[1]  # the same schedule id
