@@ -43,7 +43,7 @@ from hopsched import mask_url
 
 _MB = 2**20
 #: Leads (ms before the due time) at which the sweep starts each cancel() call.
-LEADS_MS = (0, 1, 2, 5, 10, 20, 50)
+LEADS_MS = (0, 1, 2, 5, 10, 20, 50, 100, 200)
 #: How far ahead the sweep's messages are due: held by the relay (4 s hold window).
 SWEEP_AHEAD_S = 2.0
 #: Spacing of the sweep's due times, so that each cancel runs alone.
