@@ -30,7 +30,7 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
-from hopsched.decide import Cancel, Decider, Park
+from hopsched.decide import Cancel, Decider, Park, ParkKind
 from hopsched.envelope import (
     HEADER_EXCHANGE,
     HEADER_HOP_CLOCK,
@@ -84,7 +84,7 @@ class Relay:
         self.settings = settings = settings or Settings()
         self.ladder = settings.ladder
         self.topology = Topology.from_settings(settings)
-        self.stats = RelayStats()
+        self.stats = RelayStats(held_now=self._held_now, in_flight_now=self._in_flight_now)
         self.clock = clock
         self.decider = Decider(
             self.ladder,
@@ -180,13 +180,16 @@ class Relay:
             await asyncio.sleep(self.settings.log_interval_s)
             self._report()
 
+    def _held_now(self) -> int:
+        return len(self._session.holds) if self._session is not None else 0
+
+    def _in_flight_now(self) -> int:
+        return self._session.publisher.in_flight if self._session is not None else 0
+
     def _report(self) -> None:
         now = time.monotonic()
         since, self._reported_at = self._reported_at, now
         self.cancellations.forget(self.clock())
-        session = self._session
-        self.stats.held = len(session.holds) if session is not None else 0
-        self.stats.in_flight = session.publisher.in_flight if session is not None else 0
         for line in self.stats.report(now - since):
             log.info("%s", line)
 
@@ -339,7 +342,7 @@ class _Session:
         try:
             final = _Final(delivery, envelope, now)
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         if envelope.due_us <= now:
             self._deliver(final)
@@ -433,7 +436,7 @@ class _Session:
         except BrokerConnectionLost:
             pass  # unacked: the broker delivers it again after the reconnect
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
 
     def _hop(
         self,
@@ -454,7 +457,7 @@ class _Session:
                 properties = hop_properties(delivery.properties, envelope, expires)
             encoded = properties.encode()
         except (ValueError, TypeError) as error:
-            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         queue = self.topology.step_queue(step_ms)
 
@@ -484,7 +487,7 @@ class _Session:
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
-                self._park(delivery, Park(reason, "unroutable"))
+                self._park(delivery, Park(reason, ParkKind.UNROUTABLE))
             elif outcome is amqp.Outcome.NACK:
                 refusal = f"the broker refused the publish to {target} (basic.nack: a full queue"
                 refusal += " with x-overflow=reject-publish, or an unavailable one)"
@@ -496,7 +499,7 @@ class _Session:
                     log.warning("%s; trying again in %d ms", refusal, decision.step_ms)
                 self._hop(delivery, envelope, decision.step_ms, retry=True)
             elif isinstance(detail, ChannelClosedError):
-                self._park(delivery, Park(_refused(detail, envelope.exchange), "refused"))
+                self._park(delivery, Park(_refused(detail, envelope.exchange), ParkKind.REFUSED))
             # else: the connection is gone; unacked, the broker delivers it again
 
         self._publish(
@@ -517,7 +520,7 @@ class _Session:
 
     def _park_as_is(self, delivery: amqp.Delivery) -> None:
         """Park a delivery whose properties cannot be decoded, with them as received."""
-        park = Park(f"cannot decode its properties: {delivery.error}", "undecodable")
+        park = Park(f"cannot decode its properties: {delivery.error}", ParkKind.UNDECODABLE)
         self._publish_parked(delivery, delivery.raw_properties, park, "an unknown target")
 
     def _guarded(
@@ -581,7 +584,7 @@ class _Session:
         if isinstance(detail, BrokerConnectionLost):
             return
         reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
-        self._park(delivery, Park(reason, "refused"))
+        self._park(delivery, Park(reason, ParkKind.REFUSED))
 
     def _reject(self, delivery: amqp.Delivery, reason: str) -> None:
         """The last resort: the broker dead-letters it into the parking queue."""
