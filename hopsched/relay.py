@@ -47,6 +47,7 @@ from hopsched.envelope import (
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
 from hopsched.holds import Holds
 from hopsched.ladder import US_PER_MS, Hop
+from hopsched.metrics import MetricsServer, serve_metrics
 from hopsched.overshoot import OvershootTracker
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.settings import Settings
@@ -67,6 +68,7 @@ class Relay:
 
     Attributes:
         stats: counters and measurements (``RelayStats``); ``totals`` is the same.
+        metrics: the metrics endpoint while ``run()`` serves one (``settings.metrics_port``).
 
     Raises (from ``run``):
         BrokerUnavailableError: the first connection fails (later losses are retried
@@ -101,6 +103,7 @@ class Relay:
         self._consuming = asyncio.Event()
         self._reported_at = time.monotonic()
         self._session: _Session | None = None
+        self.metrics: MetricsServer | None = None
 
     @property
     def totals(self) -> RelayStats:
@@ -119,7 +122,30 @@ class Relay:
         self._stopping.set()
 
     async def run(self) -> None:
-        """Consume until ``stop()``, reconnecting after a lost connection."""
+        """Consume until ``stop()``, reconnecting after a lost connection; with
+        ``settings.metrics_port``, serve metrics meanwhile (see ``hopsched.metrics``).
+
+        Raises:
+            MetricsEndpointError: the metrics endpoint cannot listen (before connecting).
+        """
+        if self.settings.metrics_port:
+            self.metrics = serve_metrics(
+                self.stats,
+                self.settings.metrics_port,
+                self.settings.metrics_address,
+                loop=asyncio.get_running_loop(),
+            )
+            log.info(
+                "metrics at http://%s:%d/metrics", self.settings.metrics_address, self.metrics.port
+            )
+        try:
+            await self._run()
+        finally:
+            if self.metrics is not None:
+                await asyncio.to_thread(self.metrics.close)
+                self.metrics = None
+
+    async def _run(self) -> None:
         reporter = asyncio.create_task(self._report_periodically())
         connections: AsyncIterator[amqp.Connection] = aiter(
             Connector(self.settings, name="hopsched-relay")
