@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hopsched import amqp
 from hopsched.acks import Acker
@@ -47,12 +47,14 @@ from hopsched.envelope import (
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
 from hopsched.holds import Holds
 from hopsched.ladder import US_PER_MS, Hop
-from hopsched.metrics import MetricsServer, serve_metrics
 from hopsched.overshoot import OvershootTracker
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.settings import Settings
 from hopsched.stats import RelayStats
 from hopsched.topology import CANCEL_RETENTION_US, Topology, declare_topology
+
+if TYPE_CHECKING:
+    from hopsched.metrics import MetricsServer
 
 __all__ = ["Relay"]
 
@@ -129,6 +131,8 @@ class Relay:
             MetricsEndpointError: the metrics endpoint cannot listen (before connecting).
         """
         if self.settings.metrics_port:
+            from hopsched.metrics import serve_metrics  # prometheus_client only when used
+
             self.metrics = serve_metrics(
                 self.stats,
                 self.settings.metrics_port,
