@@ -134,7 +134,7 @@ class RelayCollector(Collector):
         def take() -> None:
             try:
                 taken.set_result(self._stats.snapshot())
-            except BaseException as error:  # hand it to the scrape, not the loop
+            except Exception as error:  # hand it to the scrape, not the loop
                 taken.set_exception(error)
 
         loop.call_soon_threadsafe(take)
