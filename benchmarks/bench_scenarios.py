@@ -26,8 +26,9 @@ from bench_strategies import BURST_BATCH, Hopsched, make_strategy, relay_command
 from bench_workload import Workload, parse_delays
 
 import hopsched
+from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK
 
-__all__ = ["run_backlog", "run_bursts", "run_throughput"]
+__all__ = ["relay_hops", "run_backlog", "run_bursts", "run_throughput"]
 
 _MB = 1024 * 1024
 THROUGHPUT_MESSAGES = 20_000
@@ -132,12 +133,22 @@ async def _passive_counts(
         return result.message_count or 0, result.consumer_count or 0
 
 
-async def _relay_hops(
-    url: str, prefix: str, prefetch: int, count: int, progress: Progress, relays: int = 1
+async def relay_hops(
+    url: str,
+    prefix: str,
+    prefetch: int,
+    count: int,
+    progress: Progress,
+    relays: int = 1,
+    *,
+    relay_args: tuple[str, ...] = (),
+    stamped: bool = False,
 ) -> dict[str, Any]:
     """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start ``relays`` relay
-    processes on it (competing consumers of the one relay queue), and time them until
-    every envelope sits in the step queue it hops to (exactly one hop each)."""
+    processes on it (competing consumers of the one relay queue; ``relay_args``: more
+    relay options), and time them until every envelope sits in the step queue it hops
+    to (exactly one hop each). ``stamped``: the envelopes carry a relay's hop stamp, so
+    the relay measures each one's overshoot too, as it does for hops it made."""
     settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch)
     topology = hopsched.Topology.from_settings(settings)
     due_us = now_us() + 3600 * 1_000_000
@@ -156,6 +167,9 @@ async def _relay_hops(
             headers = hopsched.Envelope(
                 schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=f"{prefix}.x"
             ).to_headers()
+            if stamped:  # the TTL of a hop ran out 2 ms ago
+                headers[HEADER_HOP_EXPIRES] = now_us() - 2_000
+                headers[HEADER_HOP_CLOCK] = RELAY_CLOCK
             return aio_pika.Message(
                 b"x" * 64, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             )
@@ -163,7 +177,7 @@ async def _relay_hops(
         await _fill(channel, topology.relay_queue, count, envelope, progress, label)
         for _ in range(relays):
             relay = await asyncio.create_subprocess_exec(
-                *relay_command(url, prefix, prefetch),
+                *relay_command(url, prefix, prefetch, "quorum", *relay_args),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
             processes.append(relay)
@@ -323,10 +337,10 @@ async def run_throughput(url: str, run_id: str, prefetch: int) -> dict[str, Any]
     prefix = f"hopsched-bench-throughput-{run_id}"
     raw = await _raw_loop(url, prefix, prefetch, THROUGHPUT_MESSAGES, progress)
     progress.say(f"[raw loop] {raw['msgs_per_s']} msgs/s", force=True)
-    relay = await _relay_hops(url, f"{prefix}-relay", prefetch, THROUGHPUT_MESSAGES, progress)
+    relay = await relay_hops(url, f"{prefix}-relay", prefetch, THROUGHPUT_MESSAGES, progress)
     progress.say(f"[relay hops x1] {relay['hops_per_s']} hops/s", force=True)
     # Scale-out: two relays on a fresh prefix, competing for the same relay queue.
-    relay_x2 = await _relay_hops(
+    relay_x2 = await relay_hops(
         url, f"{prefix}-relay-x2", prefetch, THROUGHPUT_MESSAGES, progress, relays=2
     )
     progress.say(f"[relay hops x2] {relay_x2['hops_per_s']} hops/s", force=True)

@@ -49,17 +49,21 @@ BURST_BATCH = 1000
 FLOOR_SLICE = 500
 
 
-def relay_command(url: str, prefix: str, prefetch: int, queue_type: str = "quorum") -> list[str]:
-    """``python -m hopsched relay`` as users run it. ``-P`` keeps the working directory
-    off ``sys.path``, so the relay imports the hopsched this process imported (a
-    checkout given by ``--hopsched-path`` is first on ``PYTHONPATH``), not one that
-    happens to sit in the directory the benchmark was started from."""
+def relay_command(
+    url: str, prefix: str, prefetch: int, queue_type: str = "quorum", *extra: str
+) -> list[str]:
+    """``python -m hopsched relay`` as users run it (``extra``: more relay options, e.g.
+    ``--metrics-port``). ``-P`` keeps the working directory off ``sys.path``, so the
+    relay imports the hopsched this process imported (a checkout given by
+    ``--hopsched-path`` is first on ``PYTHONPATH``), not one that happens to sit in the
+    directory the benchmark was started from."""
     return [
         sys.executable, "-P", "-m", "hopsched", "relay",
         "--url", url,
         "--prefix", prefix,
         "--queue-type", queue_type,
         "--prefetch", str(prefetch),
+        *extra,
     ]  # fmt: skip
 
 

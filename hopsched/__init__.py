@@ -5,6 +5,7 @@ fixed-TTL queues (TTLs are powers of two in ms); a relay re-publishes each expir
 message into the largest step that still fits and delivers it to its target once due.
 """
 
+from hopsched.decide import ParkKind
 from hopsched.envelope import DeliveryInfo, Envelope
 from hopsched.errors import (
     AccessRefusedError,
@@ -14,6 +15,7 @@ from hopsched.errors import (
     HopschedError,
     InvalidScheduleError,
     InvalidSettingsError,
+    MetricsEndpointError,
     PublishRejectedError,
     PublishTimeoutError,
     TargetRefused,
@@ -41,6 +43,8 @@ __all__ = [
     "InvalidScheduleError",
     "InvalidSettingsError",
     "Ladder",
+    "MetricsEndpointError",
+    "ParkKind",
     "PublishRejectedError",
     "PublishTimeoutError",
     "Relay",

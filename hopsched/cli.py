@@ -112,8 +112,8 @@ def main(verbose: int, log_format: str) -> None:
     Exit status:
       0  done
       1  the broker cannot be reached or refused (login, access), a topology
-         mismatch, a missing queue; teardown refused (queues in use); the demo
-         saw an early or lost message
+         mismatch, a missing queue; teardown refused (queues in use); the relay's
+         metrics port is in use; the demo saw an early or lost message
       2  bad input (usage error)
       3  parked replay: some messages asked for were not replayed
     """
@@ -132,20 +132,36 @@ def main(verbose: int, log_format: str) -> None:
     "'/reminders' for the default exchange); others are parked. Default: any target "
     "[HOPSCHED_ALLOWED_TARGETS, comma-separated].",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics over HTTP on this port, path /metrics "
+    "[HOPSCHED_METRICS_PORT; default 0: off].",
+)
+@click.option(
+    "--metrics-address",
+    help="Address the metrics endpoint listens on; 0.0.0.0 or :: for every interface "
+    "[HOPSCHED_METRICS_ADDRESS; default 127.0.0.1].",
+)
 def relay(
     url: str | None,
     prefix: str | None,
     queue_type: str | None,
     prefetch: int | None,
     allowed_targets: tuple[str, ...],
+    metrics_port: int | None,
+    metrics_address: str | None,
 ) -> None:
-    """Run the relay daemon until SIGINT or SIGTERM; logs totals once a minute."""
+    """Run the relay daemon until SIGINT or SIGTERM; logs totals once a minute and, with
+    --metrics-port, serves Prometheus metrics (docs/operations.md, "Metrics")."""
     settings = _settings(
         url=url,
         prefix=prefix,
         queue_type=queue_type,
         prefetch=prefetch,
         allowed_targets=allowed_targets or None,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
     )
 
     async def serve() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from hopsched.cancel import CANCEL, Cancellations
@@ -23,7 +24,7 @@ from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
 from hopsched.targets import TargetPolicy
 from hopsched.validate import check_expiration
 
-__all__ = ["RETRY_FIRST_MS", "RETRY_MAX_MS", "Cancel", "Decider", "Park", "Route"]
+__all__ = ["RETRY_FIRST_MS", "RETRY_MAX_MS", "Cancel", "Decider", "Park", "ParkKind", "Route"]
 
 #: The first wait before a refused final publish is tried again, ms; it doubles with
 #: each refusal up to ``RETRY_MAX_MS``.
@@ -31,15 +32,28 @@ RETRY_FIRST_MS = 1024
 RETRY_MAX_MS = 32_768
 
 
+class ParkKind(StrEnum):
+    """Why a message was parked, as a small closed set for counting (the metric label
+    ``kind`` of ``hopsched_parked_total``); the free-text reason goes in its header."""
+
+    MALFORMED = "malformed"  # its envelope headers are missing or invalid
+    USER_ID = "user_id"  # its user_id is not the relay's login
+    NOT_ALLOWED = "not_allowed"  # its target is not in the allow list
+    INVALID = "invalid"  # the broker would refuse the final publish (e.g. expiration)
+    RETRIES_EXHAUSTED = "retries_exhausted"  # its target refused it for target_retry_s
+    UNROUTABLE = "unroutable"  # no queue is bound to its target
+    REFUSED = "refused"  # the broker refused a publish (missing exchange, access, ...)
+    TOO_LARGE = "too_large"  # its properties cannot be re-published (frame size, type)
+    UNDECODABLE = "undecodable"  # its properties cannot be decoded
+
+
 @dataclass(frozen=True, slots=True)
 class Park:
     """Move the message to ``{prefix}.parked`` with ``reason``; ``kind`` classes the
-    cause for counting (``malformed``, ``user_id``, ``not_allowed``, ``invalid``,
-    ``retries_exhausted``, and the relay's own: ``unroutable``, ``refused``,
-    ``too_large``, ``undecodable``)."""
+    cause for counting."""
 
     reason: str
-    kind: str
+    kind: ParkKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +113,13 @@ class Decider:
         try:
             envelope = Envelope.from_headers(headers)
         except EnvelopeError as error:
-            return Park(f"malformed envelope: {error.reason}", "malformed")
+            return Park(f"malformed envelope: {error.reason}", ParkKind.MALFORMED)
         if user_id is not None and user_id != self.login:
             return Park(
                 f"user_id {user_id!r} is not this relay's login {self.login!r}: RabbitMQ "
                 "refuses to publish it (https://www.rabbitmq.com/docs/validated-user-id); "
                 "run the relay as that user",
-                "user_id",
+                ParkKind.USER_ID,
             )
         if cancellations is not None:
             verdict = cancellations.verdict(
@@ -116,12 +130,12 @@ class Decider:
             if isinstance(verdict, int):
                 envelope = dataclasses.replace(envelope, due_us=verdict)
         if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
-            return Park(refusal, "not_allowed")
+            return Park(refusal, ParkKind.NOT_ALLOWED)
         if envelope.expiration is not None:
             try:
                 check_expiration(envelope.expiration)
             except InvalidScheduleError as error:
-                return Park(f"the broker would refuse the final publish: {error}", "invalid")
+                return Park(f"the broker would refuse the final publish: {error}", ParkKind.INVALID)
         if crowded:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hold_window_ms=0)
         else:
@@ -138,7 +152,7 @@ class Decider:
         if now_us - since_us >= self.retry_for_us:
             return Park(
                 f"{refusal}; refused {attempts} times over {(now_us - since_us) / 1_000_000:.0f} s",
-                "retries_exhausted",
+                ParkKind.RETRIES_EXHAUSTED,
             )
         wait_ms = min(RETRY_FIRST_MS << min(envelope.retries, 16), RETRY_MAX_MS)
         left_ms = (since_us + self.retry_for_us - now_us) // US_PER_MS

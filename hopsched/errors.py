@@ -14,6 +14,7 @@ __all__ = [
     "HopschedError",
     "InvalidScheduleError",
     "InvalidSettingsError",
+    "MetricsEndpointError",
     "PublishRejectedError",
     "PublishTimeoutError",
     "TargetRefused",
@@ -94,6 +95,11 @@ class TopologyMismatchError(HopschedError):
 
 class AccessRefusedError(HopschedError):
     """The broker refused this user an operation (AMQP 403 ACCESS_REFUSED)."""
+
+
+class MetricsEndpointError(HopschedError, OSError):
+    """The metrics endpoint cannot listen (its port is in use, or the address is not
+    this machine's); the message names the port and how to fix it."""
 
 
 class BrokerUnavailableError(HopschedError, ConnectionError):

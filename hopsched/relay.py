@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hopsched import amqp
 from hopsched.acks import Acker
@@ -30,7 +30,7 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
-from hopsched.decide import Cancel, Decider, Park
+from hopsched.decide import Cancel, Decider, Park, ParkKind
 from hopsched.envelope import (
     HEADER_EXCHANGE,
     HEADER_HOP_CLOCK,
@@ -53,6 +53,9 @@ from hopsched.settings import Settings
 from hopsched.stats import RelayStats
 from hopsched.topology import CANCEL_RETENTION_US, Topology, declare_topology
 
+if TYPE_CHECKING:
+    from hopsched.metrics import MetricsServer
+
 __all__ = ["Relay"]
 
 log = logging.getLogger("hopsched.relay")
@@ -67,6 +70,7 @@ class Relay:
 
     Attributes:
         stats: counters and measurements (``RelayStats``); ``totals`` is the same.
+        metrics: the metrics endpoint while ``run()`` serves one (``settings.metrics_port``).
 
     Raises (from ``run``):
         BrokerUnavailableError: the first connection fails (later losses are retried
@@ -84,7 +88,7 @@ class Relay:
         self.settings = settings = settings or Settings()
         self.ladder = settings.ladder
         self.topology = Topology.from_settings(settings)
-        self.stats = RelayStats()
+        self.stats = RelayStats(held_now=self._held_now, in_flight_now=self._in_flight_now)
         self.clock = clock
         self.decider = Decider(
             self.ladder,
@@ -101,6 +105,7 @@ class Relay:
         self._consuming = asyncio.Event()
         self._reported_at = time.monotonic()
         self._session: _Session | None = None
+        self.metrics: MetricsServer | None = None
 
     @property
     def totals(self) -> RelayStats:
@@ -119,7 +124,32 @@ class Relay:
         self._stopping.set()
 
     async def run(self) -> None:
-        """Consume until ``stop()``, reconnecting after a lost connection."""
+        """Consume until ``stop()``, reconnecting after a lost connection; with
+        ``settings.metrics_port``, serve metrics meanwhile (see ``hopsched.metrics``).
+
+        Raises:
+            MetricsEndpointError: the metrics endpoint cannot listen (before connecting).
+        """
+        if self.settings.metrics_port:
+            from hopsched.metrics import serve_metrics  # prometheus_client only when used
+
+            self.metrics = serve_metrics(
+                self.stats,
+                self.settings.metrics_port,
+                self.settings.metrics_address,
+                loop=asyncio.get_running_loop(),
+            )
+            log.info(
+                "metrics at http://%s:%d/metrics", self.settings.metrics_address, self.metrics.port
+            )
+        try:
+            await self._run()
+        finally:
+            if self.metrics is not None:
+                await asyncio.to_thread(self.metrics.close)
+                self.metrics = None
+
+    async def _run(self) -> None:
         reporter = asyncio.create_task(self._report_periodically())
         connections: AsyncIterator[amqp.Connection] = aiter(
             Connector(self.settings, name="hopsched-relay")
@@ -180,13 +210,16 @@ class Relay:
             await asyncio.sleep(self.settings.log_interval_s)
             self._report()
 
+    def _held_now(self) -> int:
+        return len(self._session.holds) if self._session is not None else 0
+
+    def _in_flight_now(self) -> int:
+        return self._session.publisher.in_flight if self._session is not None else 0
+
     def _report(self) -> None:
         now = time.monotonic()
         since, self._reported_at = self._reported_at, now
         self.cancellations.forget(self.clock())
-        session = self._session
-        self.stats.held = len(session.holds) if session is not None else 0
-        self.stats.in_flight = session.publisher.in_flight if session is not None else 0
         for line in self.stats.report(now - since):
             log.info("%s", line)
 
@@ -339,7 +372,7 @@ class _Session:
         try:
             final = _Final(delivery, envelope, now)
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         if envelope.due_us <= now:
             self._deliver(final)
@@ -433,7 +466,7 @@ class _Session:
         except BrokerConnectionLost:
             pass  # unacked: the broker delivers it again after the reconnect
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
 
     def _hop(
         self,
@@ -454,7 +487,7 @@ class _Session:
                 properties = hop_properties(delivery.properties, envelope, expires)
             encoded = properties.encode()
         except (ValueError, TypeError) as error:
-            self._park(delivery, Park(f"cannot re-publish it: {error}", "too_large"))
+            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         queue = self.topology.step_queue(step_ms)
 
@@ -484,7 +517,7 @@ class _Session:
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
-                self._park(delivery, Park(reason, "unroutable"))
+                self._park(delivery, Park(reason, ParkKind.UNROUTABLE))
             elif outcome is amqp.Outcome.NACK:
                 refusal = f"the broker refused the publish to {target} (basic.nack: a full queue"
                 refusal += " with x-overflow=reject-publish, or an unavailable one)"
@@ -496,7 +529,7 @@ class _Session:
                     log.warning("%s; trying again in %d ms", refusal, decision.step_ms)
                 self._hop(delivery, envelope, decision.step_ms, retry=True)
             elif isinstance(detail, ChannelClosedError):
-                self._park(delivery, Park(_refused(detail, envelope.exchange), "refused"))
+                self._park(delivery, Park(_refused(detail, envelope.exchange), ParkKind.REFUSED))
             # else: the connection is gone; unacked, the broker delivers it again
 
         self._publish(
@@ -517,7 +550,7 @@ class _Session:
 
     def _park_as_is(self, delivery: amqp.Delivery) -> None:
         """Park a delivery whose properties cannot be decoded, with them as received."""
-        park = Park(f"cannot decode its properties: {delivery.error}", "undecodable")
+        park = Park(f"cannot decode its properties: {delivery.error}", ParkKind.UNDECODABLE)
         self._publish_parked(delivery, delivery.raw_properties, park, "an unknown target")
 
     def _guarded(
@@ -581,7 +614,7 @@ class _Session:
         if isinstance(detail, BrokerConnectionLost):
             return
         reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
-        self._park(delivery, Park(reason, "refused"))
+        self._park(delivery, Park(reason, ParkKind.REFUSED))
 
     def _reject(self, delivery: amqp.Delivery, reason: str) -> None:
         """The last resort: the broker dead-letters it into the parking queue."""

@@ -109,6 +109,10 @@ class Settings:
         allowed_targets: ``EXCHANGE/ROUTING-KEY`` glob patterns (see ``TargetPattern``);
             a message for any other target is refused by ``schedule()`` and parked by
             the relay, never published. Empty (the default): every target is allowed.
+        metrics_port: TCP port of the relay's Prometheus endpoint (``/metrics`` over
+            HTTP; see docs/operations.md, "Metrics"); 0 (the default): no endpoint.
+        metrics_address: the address it listens on: ``127.0.0.1`` (the default, this
+            machine only) or e.g. ``0.0.0.0`` / ``::`` for every interface.
 
     Raises:
         InvalidSettingsError: a value is out of range; the message says which and why.
@@ -127,6 +131,8 @@ class Settings:
     target_retry_s: float = 300.0
     log_interval_s: float = 60.0
     allowed_targets: tuple[str, ...] = ()
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         _check_url(self.url)
@@ -153,6 +159,12 @@ class Settings:
             raise InvalidSettingsError(
                 f"hold_memory_mb {self.hold_memory_mb}: must be 1..1048576 MiB"
             )
+        if isinstance(self.metrics_port, bool) or not 0 <= self.metrics_port <= 65535:
+            raise InvalidSettingsError(
+                f"metrics_port {self.metrics_port!r}: must be 1..65535, or 0 for no endpoint"
+            )
+        if not self.metrics_address.strip():
+            raise InvalidSettingsError("metrics_address '': give an address, e.g. 127.0.0.1")
         self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
         if isinstance(self.allowed_targets, str):  # one pattern is not its characters
             raise InvalidSettingsError(

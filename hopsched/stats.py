@@ -1,23 +1,34 @@
 """What the relay counts and measures, and the lines it logs about it.
 
 ``LatenessStats`` is an HDR histogram of microseconds reported in milliseconds;
-``RelayStats`` holds a relay's counters since it started, the current log interval's,
-the producers' clock offsets, and the problems it met per target, so that its log
-says each problem once per interval with a count instead of once per message.
+``Buckets`` counts values per fixed bucket (what ``hopsched.metrics`` exports as a
+Prometheus histogram); ``RelayStats`` holds a relay's counters since it started, the
+current log interval's, the producers' clock offsets, and the problems it met per
+target, so that its log says each problem once per interval with a count instead of
+once per message. ``StatsSnapshot`` is a copy of the totals at one instant.
+
+Pure: no I/O, no metrics library; recording costs a few list and integer operations.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hdrh.histogram import HdrHistogram
 
+from hopsched.decide import ParkKind
+
 __all__ = [
+    "BUCKET_BOUNDS_US",
     "CLOCK_OFFSET_WARN_US",
     "OVERDUE_AFTER_US",
+    "Buckets",
     "LatenessStats",
     "RelayStats",
+    "StatsSnapshot",
 ]
 
 _HIGHEST_US = 7 * 24 * 3600 * 1_000_000  # a week; larger values are clamped to it
@@ -30,6 +41,50 @@ OVERDUE_AFTER_US = 1_000_000
 #: A producer whose clock seems this far (µs) from the relay's, either way, is warned
 #: about: its due times are read by the relay's clock, so they shift by its offset.
 CLOCK_OFFSET_WARN_US = 1_000_000
+
+
+#: Upper bounds (inclusive, µs) of the buckets of ``Buckets``: 100 µs to 60 s, about
+#: 1-2.5-5 per decade; larger values count only in the implicit +Inf bucket.
+BUCKET_BOUNDS_US: tuple[int, ...] = (
+    *(100, 250, 500),
+    *(1_000, 2_500, 5_000),
+    *(10_000, 25_000, 50_000),
+    *(100_000, 250_000, 500_000),
+    *(1_000_000, 2_500_000, 5_000_000),
+    *(10_000_000, 30_000_000, 60_000_000),
+)
+
+
+class Buckets:
+    """Counts of values (µs) per fixed bucket, and their sum: a Prometheus histogram's
+    data, recorded without a metrics library.
+
+    ``counts[i]`` counts values ``<= BUCKET_BOUNDS_US[i]`` and above the bound before
+    it; ``counts[-1]`` those above the last bound. A negative value is recorded as 0.
+    """
+
+    __slots__ = ("counts", "sum_us")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKET_BOUNDS_US) + 1)
+        self.sum_us = 0
+
+    def record(self, value_us: int) -> None:
+        value_us = max(value_us, 0)
+        self.counts[bisect_left(BUCKET_BOUNDS_US, value_us)] += 1
+        self.sum_us += value_us
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        """Values ``<=`` each bound, then the total (Prometheus's ``le`` buckets, +Inf last)."""
+        total, running = 0, []
+        for count in self.counts:
+            total += count
+            running.append(total)
+        return running
 
 
 class LatenessStats:
@@ -109,10 +164,12 @@ class RelayStats:
         lateness: final publish confirmed - due time, µs, for messages on time.
         overshoot: arrival of a hop - the instant its step's TTL ran out, µs (hops
             stamped by a relay only).
+        lateness_buckets, overshoot_buckets: the same values as ``lateness`` and
+            ``overshoot``, per fixed bucket (``Buckets``; for metrics).
         clock_offsets: each producer's estimated clock offset from the relay's, µs
             (positive: the producer's clock is ahead).
-        held, in_flight: messages waiting for their due time, and publishes awaiting
-            their confirm, now.
+        held_now, in_flight_now: how many messages wait for their due time, and how
+            many publishes await their confirm, now (set by the relay; 0 by default).
     """
 
     delivered: int = 0
@@ -124,12 +181,14 @@ class RelayStats:
     cancelled: int = 0
     records: int = 0
     reconnects: int = 0
-    parked_by_kind: Counter[str] = field(default_factory=Counter)
+    parked_by_kind: dict[ParkKind, int] = field(default_factory=lambda: dict.fromkeys(ParkKind, 0))
     lateness: LatenessStats = field(default_factory=LatenessStats)
     overshoot: LatenessStats = field(default_factory=LatenessStats)
+    lateness_buckets: Buckets = field(default_factory=Buckets)
+    overshoot_buckets: Buckets = field(default_factory=Buckets)
     clock_offsets: dict[str, int] = field(default_factory=dict)
-    held: int = 0
-    in_flight: int = 0
+    held_now: Callable[[], int] = field(default=lambda: 0)
+    in_flight_now: Callable[[], int] = field(default=lambda: 0)
     _interval: _Counts = field(default_factory=_Counts)
     _problems: Counter[tuple[str, str]] = field(default_factory=Counter)
     _offset_samples: dict[str, int] = field(default_factory=dict)
@@ -145,6 +204,7 @@ class RelayStats:
             self._interval.overdue += 1
             return
         self.lateness.record(lateness_us)
+        self.lateness_buckets.record(lateness_us)
         self._interval.lateness.record(lateness_us)
 
     def record_hop(self, *, retry: bool = False) -> None:
@@ -156,9 +216,10 @@ class RelayStats:
 
     def record_overshoot(self, overshoot_us: int) -> None:
         self.overshoot.record(overshoot_us)
+        self.overshoot_buckets.record(overshoot_us)
         self._interval.overshoot.record(overshoot_us)
 
-    def record_parked(self, kind: str) -> None:
+    def record_parked(self, kind: ParkKind) -> None:
         self.parked += 1
         self._interval.parked += 1
         self.parked_by_kind[kind] += 1
@@ -201,8 +262,8 @@ class RelayStats:
         lines = [
             f"last {interval_s:.0f} s: delivered={now.delivered} (overdue on arrival "
             f"{now.overdue}) hops={now.hops} (retries {now.retries}) parked={now.parked} "
-            f"rejected={now.rejected} cancelled={now.cancelled} held={self.held} "
-            f"in_flight={self.in_flight}; "
+            f"rejected={now.rejected} cancelled={now.cancelled} held={self.held_now()} "
+            f"in_flight={self.in_flight_now()}; "
             f"lateness {now.lateness.summary()}, hop overshoot {now.overshoot.summary()}; "
             f"since start: delivered={totals.delivered} hops={totals.hops} "
             f"parked={totals.parked} reconnects={totals.reconnects}"
@@ -217,3 +278,45 @@ class RelayStats:
         self._offset_samples.clear()
         self._warned_offsets.clear()
         return lines
+
+    def snapshot(self) -> StatsSnapshot:
+        """A copy of the totals since start and the gauges, now (for metrics)."""
+        return StatsSnapshot(
+            counters={
+                "delivered": self.delivered,
+                "overdue": self.overdue,
+                "hops": self.hops,
+                "retries": self.retries,
+                "cancelled": self.cancelled,
+                "rejected": self.rejected,
+                "cancel_records": self.records,
+                "reconnects": self.reconnects,
+            },
+            parked_by_kind=dict(self.parked_by_kind),
+            lateness=(self.lateness_buckets.cumulative(), self.lateness_buckets.sum_us),
+            overshoot=(self.overshoot_buckets.cumulative(), self.overshoot_buckets.sum_us),
+            held=self.held_now(),
+            in_flight=self.in_flight_now(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    """``RelayStats``'s totals at one instant.
+
+    Attributes:
+        counters: name -> count since the relay started (``delivered``, ``overdue``,
+            ``hops``, ``retries``, ``cancelled``, ``rejected``, ``cancel_records``,
+            ``reconnects``; see ``RelayStats``).
+        parked_by_kind: messages parked per ``ParkKind``, every kind present.
+        lateness, overshoot: cumulative counts per ``BUCKET_BOUNDS_US`` bound then the
+            total (``Buckets.cumulative``), and the sum of the values, µs.
+        held, in_flight: messages held until due, and publishes awaiting their confirm.
+    """
+
+    counters: Mapping[str, int]
+    parked_by_kind: Mapping[ParkKind, int]
+    lateness: tuple[list[int], int]
+    overshoot: tuple[list[int], int]
+    held: int
+    in_flight: int

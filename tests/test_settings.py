@@ -27,6 +27,7 @@ def test_defaults() -> None:
     assert settings.publish_timeout_s == 30.0
     assert settings.target_retry_s == 300.0
     assert settings.log_interval_s == 60.0
+    assert (settings.metrics_port, settings.metrics_address) == (0, "127.0.0.1")  # off
     assert settings.ladder == Ladder(
         min_step_ms=16, max_step_ms=2**32, hold_window_ms=4000, hop_margin_ms=20
     )
@@ -61,6 +62,8 @@ def test_from_env_reads_each_variable_as_its_fields_type() -> None:
         "HOPSCHED_HOLD_WINDOW_MS": "80",
         "HOPSCHED_HOP_MARGIN_MS": "10",
         "HOPSCHED_LOG_INTERVAL_S": "2.5",
+        "HOPSCHED_METRICS_PORT": "9464",
+        "HOPSCHED_METRICS_ADDRESS": "0.0.0.0",
     }
 
     settings = Settings.from_env(environ)
@@ -75,6 +78,8 @@ def test_from_env_reads_each_variable_as_its_fields_type() -> None:
         hold_window_ms=80,
         hop_margin_ms=10,
         log_interval_s=2.5,
+        metrics_port=9464,
+        metrics_address="0.0.0.0",
     )
     assert type(settings.prefetch) is int
     assert type(settings.log_interval_s) is float
@@ -135,6 +140,13 @@ def test_from_env_reads_os_environ_when_given_none(monkeypatch: pytest.MonkeyPat
         pytest.param({"HOPSCHED_URL": "localhost"}, ["amqp://"], id="url-no-scheme"),
         pytest.param({"HOPSCHED_LOG_INTERVAL_S": "0"}, ["log_interval_s", "> 0"],
                      id="log-interval-zero"),
+        pytest.param({"HOPSCHED_METRICS_PORT": "65536"}, ["metrics_port", "0 for no endpoint"],
+                     id="metrics-port-above-16-bits"),
+        pytest.param({"HOPSCHED_METRICS_PORT": "-1"}, ["metrics_port"], id="metrics-port-neg"),
+        pytest.param({"HOPSCHED_METRICS_PORT": "http"}, ["HOPSCHED_METRICS_PORT", "int"],
+                     id="metrics-port-not-int"),
+        pytest.param({"HOPSCHED_METRICS_ADDRESS": " "}, ["metrics_address"],
+                     id="metrics-address-empty"),
         pytest.param({"HOPSCHED_LOG_INTERVAL_S": "soon"}, ["HOPSCHED_LOG_INTERVAL_S", "float"],
                      id="log-interval-not-float"),
     ],

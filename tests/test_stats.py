@@ -1,0 +1,65 @@
+"""RelayStats's fixed buckets, per-kind parking counts and snapshot (no broker)."""
+
+from __future__ import annotations
+
+from hopsched.decide import ParkKind
+from hopsched.stats import BUCKET_BOUNDS_US, OVERDUE_AFTER_US, Buckets, RelayStats
+
+
+def test_bucket_bounds_go_from_100_us_to_60_s() -> None:
+    assert BUCKET_BOUNDS_US[0] == 100
+    assert BUCKET_BOUNDS_US[-1] == 60_000_000
+    assert list(BUCKET_BOUNDS_US) == sorted(set(BUCKET_BOUNDS_US))
+
+
+def test_a_value_on_a_bound_counts_in_that_bucket() -> None:
+    buckets = Buckets()
+    for value in (0, 100, 101, 250, 60_000_000, 60_000_001, -5):
+        buckets.record(value)
+    cumulative = buckets.cumulative()
+    assert len(cumulative) == len(BUCKET_BOUNDS_US) + 1
+    assert cumulative[0] == 3  # 0, 100 and the negative value recorded as 0
+    assert cumulative[1] == 5  # and 101, 250
+    assert cumulative[-2] == 6  # all but the one above 60 s
+    assert cumulative[-1] == buckets.count == 7
+    assert buckets.sum_us == 100 + 101 + 250 + 60_000_000 + 60_000_001
+
+
+def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
+    held = [3]
+    stats = RelayStats(held_now=lambda: held[0], in_flight_now=lambda: 2)
+    stats.record_delivery(1_500, arrived_late_us=-2_000_000)
+    stats.record_delivery(0, arrived_late_us=OVERDUE_AFTER_US + 1)  # overdue: no lateness
+    stats.record_hop()
+    stats.record_hop(retry=True)
+    stats.record_overshoot(4_000)
+    stats.record_parked(ParkKind.UNROUTABLE)
+    stats.record_cancelled()
+    stats.records += 5
+    snapshot = stats.snapshot()
+    stats.record_parked(ParkKind.UNROUTABLE)  # later changes do not reach the copy
+    stats.record_delivery(1_500, arrived_late_us=0)
+    held[0] = 0
+
+    assert snapshot.counters == {
+        "delivered": 2,
+        "overdue": 1,
+        "hops": 2,
+        "retries": 1,
+        "cancelled": 1,
+        "rejected": 0,
+        "cancel_records": 5,
+        "reconnects": 0,
+    }
+    assert snapshot.parked_by_kind == {kind: int(kind is ParkKind.UNROUTABLE) for kind in ParkKind}
+    lateness, lateness_sum = snapshot.lateness
+    assert (lateness[-1], lateness_sum) == (1, 1_500)
+    assert lateness[BUCKET_BOUNDS_US.index(1_000)] == 0
+    assert lateness[BUCKET_BOUNDS_US.index(2_500)] == 1
+    assert snapshot.overshoot == (stats.overshoot_buckets.cumulative(), 4_000)
+    assert (snapshot.held, snapshot.in_flight) == (3, 2)
+
+
+def test_the_log_line_shows_the_gauges() -> None:
+    stats = RelayStats(held_now=lambda: 7, in_flight_now=lambda: 4)
+    assert "held=7 in_flight=4" in stats.report(60.0)[0]
