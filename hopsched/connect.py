@@ -68,6 +68,8 @@ class Connector:
         self._next = random.randrange(count) if start is None else start % count
         #: ``host:port`` of the node of the last connection opened, None before.
         self.node: str | None = None
+        #: that node's URL, password masked.
+        self.masked_url: str | None = None
 
     async def connect(self) -> amqp.Connection:
         """One attempt: each node URL once, from the next in turn, until one connects.
@@ -90,6 +92,7 @@ class Connector:
             else:
                 self.attempts += 1
                 self.node = node_of(params.url)
+                self.masked_url = params.masked_url
                 if failures:
                     log.info("connected to %s; before it: %s", self.node, _joined(failures))
                 return connection

@@ -69,6 +69,13 @@ HOP_NACK_WAITS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0)
 class Relay:
     """The relay daemon. ``await relay.run()`` until ``await relay.stop()``.
 
+    Args:
+        settings: the broker (one URL or a cluster's), prefix and limits.
+        shutdown_timeout_s: how long ``run()`` may take to return once stopping, s.
+        clock: the time now, µs since the epoch (tests replace it).
+        first_url: index in ``settings.urls`` of the node to try first (default
+            random; then round-robin, see ``hopsched.connect``).
+
     Attributes:
         stats: counters and measurements (``RelayStats``); ``totals`` is the same.
 
@@ -84,6 +91,7 @@ class Relay:
         *,
         shutdown_timeout_s: float = 10.0,
         clock: Callable[[], int] = now_us,
+        first_url: int | None = None,
     ) -> None:
         self.settings = settings = settings or Settings()
         self.ladder = settings.ladder
@@ -105,7 +113,8 @@ class Relay:
         self._consuming = asyncio.Event()
         self._reported_at = time.monotonic()
         self._session: _Session | None = None
-        self._connector = Connector(settings, name="hopsched-relay")
+        # random by default: relays started with one URL list spread over the nodes
+        self._connector = Connector(settings, name="hopsched-relay", start=first_url)
 
     @property
     def totals(self) -> RelayStats:
@@ -249,7 +258,7 @@ class _Session:
         log.info(
             "relay consuming %s on node %s (prefetch %d, %s ladder %d..%d ms)",
             topology.relay_queue,
-            relay._connector.node,
+            relay._connector.masked_url,
             self.settings.prefetch,
             self.settings.queue_type,
             self.settings.min_step_ms,

@@ -237,13 +237,23 @@ class Scheduler:
     the broker is back works. ``close()`` releases the connection; a Scheduler used
     again after it connects anew.
 
+    With several node URLs it connects to one (``first_url``: the index of the first to
+    try, default random) and, after losing it, to the next that answers: a call made
+    as the node goes may raise ``BrokerUnavailableError``; the next one fails over. A
+    publish the broker nacks (a quorum leader election) is sent again until
+    ``Settings.publish_timeout_s``.
+
     Raises (on enter):
         BrokerUnavailableError: cannot connect or log in (URL shown masked).
         TopologyMismatchError: the prefix's queues exist with other arguments.
     """
 
     def __init__(
-        self, settings: Settings | None = None, *, clock: Callable[[], int] = now_us
+        self,
+        settings: Settings | None = None,
+        *,
+        clock: Callable[[], int] = now_us,
+        first_url: int | None = None,
     ) -> None:
         self.settings = settings or Settings()
         self.topology = Topology.from_settings(self.settings)
@@ -251,7 +261,7 @@ class Scheduler:
         self._ladder = self.settings.ladder
         self._clock = clock
         self._targets = self.settings.target_policy
-        self._connector = Connector(self.settings, name="hopsched-scheduler")
+        self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
