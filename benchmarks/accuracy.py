@@ -45,6 +45,7 @@ from bench_workload import Workload, parse_delays
 import hopsched
 from hopsched import mask_url
 from hopsched.durations import parse_duration
+from hopsched.localbroker import private_cluster, private_node
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quick": {"count": 500, "rate": 100.0, "delays": "loguniform:10ms:5s"},
@@ -154,6 +155,8 @@ async def run_strategies(
 
 
 async def _main(options: dict[str, Any]) -> dict[str, Any]:
+    if options["cluster"]:
+        return await _main_cluster(options)
     url = options["url"]
     run_id = uuid.uuid4().hex[:6]
     result: dict[str, Any] = {
@@ -222,6 +225,72 @@ async def _main(options: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+async def _main_cluster(options: dict[str, Any]) -> dict[str, Any]:
+    """The workload with hopsched-quorum on one private node, then on a private
+    three-node cluster (URLs of all three), one after the other on this machine."""
+    workload = Workload(
+        count=options["count"],
+        rate=options["rate"],
+        delays=options["delays"],
+        payload_bytes=options["payload_bytes"],
+        seed=options["seed"],
+    )
+    run_id = uuid.uuid4().hex[:6]
+    started = time.monotonic()
+    rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Run] = {}
+    memory: dict[str, int] = {}
+    load_start = _load()
+    async with private_node() as node:
+        broker = await _broker(node.url)
+        single, single_runs = await run_strategies(
+            node.url, ["hopsched-quorum"], workload, run_id, options["prefetch"]
+        )
+        memory["1 node"] = node.rss_bytes()
+    async with private_cluster(3) as cluster:
+        clustered, cluster_runs = await run_strategies(
+            cluster.url, ["hopsched-quorum"], workload, run_id + "c", options["prefetch"]
+        )
+        memory["3-node cluster"] = cluster.rss_bytes()
+    for label, got, got_runs in (
+        ("1 node", single, single_runs),
+        ("3-node cluster", clustered, cluster_runs),
+    ):
+        for name, row in got.items():
+            rows[f"{name} ({label})"] = row
+        for name, run in got_runs.items():
+            runs[f"{name} ({label})"] = run
+    return {
+        "scenario": options["scenario"],
+        "command": " ".join(["python", "benchmarks/accuracy.py", *sys.argv[1:]]),
+        "run_id": run_id,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m_start": load_start,
+            "load_avg_1m_end": _load(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "note": "private RabbitMQ nodes (one, then a cluster of three), relay and load "
+            "generator share this machine with other work",
+        },
+        "broker": broker,
+        "cluster": {
+            "nodes": 3,
+            "rss_bytes_after_run": memory,
+            "note": "the relay and scheduler get all three node URLs; quorum queues "
+            "replicate to all three, leaders placed 'balanced'",
+        },
+        "hopsched": _hopsched_version(),
+        "prefetch": options["prefetch"],
+        "workload": workload.describe(),
+        "strategies": rows,
+        "duration_s": round(time.monotonic() - started, 1),
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "_runs": runs,
+    }
+
+
 def _run_cancellable(coroutine: Any) -> Any:
     """Run ``coroutine``; SIGTERM cancels it like Ctrl-C, so its cleanup still runs."""
 
@@ -288,6 +357,12 @@ def _run_cancellable(coroutine: Any) -> Any:
     show_default=True,
     type=click.IntRange(1),
     help="Backlog scenario: messages pending with delays of 1-24 h.",
+)
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="Run hopsched-quorum on a private single node, then on a private 3-node cluster "
+    "(hopsched.localbroker), to show what replication costs; --url is not used.",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))

@@ -125,7 +125,8 @@ class Session:
     async def _start_consumer(self) -> None:
         self._consumer_log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in _stop_consumer
         self._consumer = await asyncio.create_subprocess_exec(
-            sys.executable, str(_CONSUMER_SCRIPT), self.strategy.url, self.strategy.target_queue,
+            sys.executable, str(_CONSUMER_SCRIPT),
+            self.strategy.node_url, self.strategy.target_queue,
             stdout=asyncio.subprocess.PIPE, stderr=self._consumer_log,
         )  # fmt: skip
         assert self._consumer.stdout is not None

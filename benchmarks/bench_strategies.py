@@ -19,6 +19,7 @@ import aiormq
 from bench_measure import BENCH_DUE, BENCH_ID, MAX_IN_FLIGHT, Pipeline, now_us, stop_process
 
 import hopsched
+from hopsched.settings import split_urls
 
 try:  # the relay's own publisher; a hopsched from before it (--hopsched-path) has none
     from hopsched import amqp
@@ -85,7 +86,8 @@ class Strategy:
     counting: ClassVar[str]
 
     def __init__(self, url: str, run_id: str, prefetch: int) -> None:
-        self.url = url
+        self.url = url  # hopsched's Settings.url: one node, or a cluster's comma-separated
+        self.node_url = split_urls(url)[0]  # for the benchmark's own aio-pika connections
         self.prefetch = prefetch
         self.prefix = f"hopsched-bench-{self.name}-{run_id}"
         self.target_queue = f"{self.prefix}.target"
@@ -104,7 +106,7 @@ class Strategy:
 
     async def open(self) -> None:
         """Connect, declare, start the strategy's process and wait until it consumes."""
-        self.connection = await aio_pika.connect(self.url, name=f"bench-{self.name}")
+        self.connection = await aio_pika.connect(self.node_url, name=f"bench-{self.name}")
         self.channel = await self.connection.channel(publisher_confirms=True)
         await self.channel.declare_queue(self.target_queue, durable=True)
         await self._declare(self.channel)
@@ -218,7 +220,7 @@ class Strategy:
             self._log.close()
             self._log = None
         problems: list[str] = []
-        connection = await aio_pika.connect(self.url, name=f"bench-{self.name}-cleanup")
+        connection = await aio_pika.connect(self.node_url, name=f"bench-{self.name}-cleanup")
         async with connection:
             for kind, names in (("queue", self.queues), ("exchange", self.exchanges)):
                 for name in names:
@@ -585,7 +587,7 @@ class DelayedExchange(Strategy):
 
     async def unavailable(self, *, burst: bool = False) -> str | None:
         probe = f"{self.prefix}.probe"
-        connection = await aio_pika.connect(self.url, name="bench-delayed-probe")
+        connection = await aio_pika.connect(self.node_url, name="bench-delayed-probe")
         try:
             async with connection.channel() as channel:
                 await channel.declare_exchange(

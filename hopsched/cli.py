@@ -20,6 +20,7 @@ from hopsched.demo import run_demo_or_local
 from hopsched.durations import parse_duration
 from hopsched.errors import HopschedError, InvalidScheduleError
 from hopsched.logs import LogFormat, configure_logging
+from hopsched.nodes import RelayNodes, management_urls, relay_nodes
 from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler, due_time_us
@@ -38,7 +39,11 @@ def _connection_options(command: F) -> F:
     """--url, --prefix, --queue-type; each defaults to its HOPSCHED_* variable."""
     for option in reversed(
         [
-            click.option("--url", help="AMQP URL [env HOPSCHED_URL; default local guest]."),
+            click.option(
+                "--url",
+                help="AMQP URL, or the URLs of a cluster's nodes comma-separated "
+                "[env HOPSCHED_URL; default local guest].",
+            ),
             click.option("--prefix", help="Namespace of the broker objects [HOPSCHED_PREFIX]."),
             click.option(
                 "--queue-type",
@@ -317,41 +322,75 @@ def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None
 @main.command()
 @_connection_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(url: str | None, prefix: str | None, queue_type: str | None, as_json: bool) -> None:
-    """Depth of every step queue, the relay and parked queues; relay consumers. Declares
-    nothing; a queue of another type (--queue-type) is an error."""
+@click.option(
+    "--nodes",
+    "per_node",
+    is_flag=True,
+    help="Per node: the relay queue's leader and members and the relays consuming through "
+    "it (from the management API; the default with several URLs).",
+)
+@click.option(
+    "--management-url",
+    help="Management API base URL(s), comma-separated [default http://HOST:15672/ per URL].",
+)
+def status(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    as_json: bool,
+    per_node: bool,
+    management_url: str | None,
+) -> None:
+    """Depth of every step queue, the relay and parked queues; relay consumers, and with
+    several URLs (or --nodes) which node each relay is on. Declares nothing; a queue of
+    another type (--queue-type) is an error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
+    per_node = per_node or len(settings.urls) > 1 or management_url is not None
 
-    async def go() -> dict[str, QueueDepth | None]:
+    async def go() -> tuple[dict[str, QueueDepth | None], RelayNodes | None]:
         connection = await connect(settings)
         async with connection:
-            return await topology.inspect(connection)
+            depths = await topology.inspect(connection)
+        if not per_node:
+            return depths, None
+        urls = management_urls(settings, management_url)
+        return depths, await relay_nodes(settings, topology.relay_queue, urls)
 
-    depths: dict[str, QueueDepth | None] = _run(go())
+    depths, nodes = cast(tuple[dict[str, QueueDepth | None], RelayNodes | None], _run(go()))
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "url": settings.masked_url,
-                    "prefix": settings.prefix,
-                    "queues": {
-                        name: None if depth is None else dataclasses.asdict(depth)
-                        for name, depth in depths.items()
-                    },
-                    "relay_consumers": relay_consumers,
-                },
-                indent=2,
-            )
-        )
+        shown: dict[str, Any] = {
+            "url": settings.masked_url,
+            "prefix": settings.prefix,
+            "queues": {
+                name: None if depth is None else dataclasses.asdict(depth)
+                for name, depth in depths.items()
+            },
+            "relay_consumers": relay_consumers,
+        }
+        if nodes is not None:
+            shown["nodes"] = {name: dataclasses.asdict(view) for name, view in nodes.nodes.items()}
+            shown["nodes_unavailable"] = nodes.unavailable
+        click.echo(json.dumps(shown, indent=2))
         return
     click.echo(f"{settings.masked_url} prefix {settings.prefix}")
     for name, depth in depths.items():
-        shown = "missing" if depth is None else f"{depth.messages:>9} messages"
-        click.echo(f"  {name:<40} {shown}")
+        text = "missing" if depth is None else f"{depth.messages:>9} messages"
+        click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
+    if nodes is None:
+        return
+    if nodes.unavailable is not None:
+        click.echo(f"per node: unknown; {nodes.unavailable}")
+        return
+    click.echo(f"per node ({topology.relay_queue}, from {nodes.source}):")
+    for name, view in sorted(nodes.nodes.items()):
+        state = f"{view.role or 'no replica'}{'' if view.online or not view.role else ', down'}"
+        click.echo(f"  {name}: {state}; {len(view.consumers)} relay consumer(s)")
+        for consumer in view.consumers:
+            click.echo(f"    {consumer}")
 
 
 @main.command()

@@ -5,12 +5,20 @@ and the Relay: ``await connector.connect()`` for one attempt, ``async for connec
 in connector`` for a connection after each loss, with back-off between failed
 attempts. ``connect`` opens an aio-pika connection for everything off the
 hot path (declaring the topology, the CLI's tools).
+
+With several node URLs (``Settings.urls``, one cluster) an attempt tries each node
+once, in this order: a Connector starts at a random index, so that many relays and
+schedulers started with the same list spread over the nodes without coordinating;
+on a refused or lost connection it goes on round-robin from the *next* URL, as the
+node just lost is the one most likely down. Back-off sleeps only after a whole round
+failed, so one node down costs one refused TCP connect, not a back-off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl
 from collections.abc import AsyncIterator
 
@@ -19,7 +27,7 @@ import aiormq
 
 from hopsched import amqp
 from hopsched.errors import BrokerUnavailableError
-from hopsched.settings import Settings
+from hopsched.settings import Settings, mask_url
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -27,6 +35,7 @@ __all__ = [
     "RECONNECT_MAX_S",
     "Connector",
     "connect",
+    "node_of",
     "unreachable",
 ]
 
@@ -41,35 +50,53 @@ RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.5, 5.0
 
 
 class Connector:
-    """Opens connections to the broker at ``settings.url``.
+    """Opens connections to the broker at ``settings.urls`` (see the module's docstring
+    for the order).
 
     Args:
-        settings: the URL (shown masked in every error and log line).
+        settings: the URLs (shown masked in every error and log line).
         name: the connection name the broker shows (``rabbitmqctl list_connections``).
+        start: the index of the first URL to try; default random.
     """
 
-    def __init__(self, settings: Settings, *, name: str) -> None:
+    def __init__(self, settings: Settings, *, name: str, start: int | None = None) -> None:
         self.settings = settings
         self.name = name
         self.attempts = 0  #: connections opened so far
-        self._params = amqp.ConnectionParams.from_url(settings.url)
+        self._params = [amqp.ConnectionParams.from_url(url) for url in settings.urls]
+        count = len(self._params)
+        self._next = random.randrange(count) if start is None else start % count
+        #: ``host:port`` of the node of the last connection opened, None before.
+        self.node: str | None = None
+        #: that node's URL, password masked.
+        self.masked_url: str | None = None
 
     async def connect(self) -> amqp.Connection:
-        """One attempt.
+        """One attempt: each node URL once, from the next in turn, until one connects.
 
         Raises:
-            BrokerUnavailableError: unreachable, no AMQP answer within
-                ``CONNECT_TIMEOUT_S``, login refused, no such vhost or no access to it;
-                the message names the masked URL and the cause.
+            BrokerUnavailableError: no node is reachable, answers AMQP within
+                ``CONNECT_TIMEOUT_S``, and accepts the login and vhost; the message
+                names each masked URL and its cause.
         """
-        try:
-            connection = await amqp.connect(
-                self._params, name=self.name, timeout_s=CONNECT_TIMEOUT_S
-            )
-        except OSError as error:  # refused, unreachable, TLS handshake
-            raise unreachable(self.settings, error) from None
-        self.attempts += 1
-        return connection
+        failures: list[BrokerUnavailableError] = []
+        for _ in self._params:
+            params = self._params[self._next]
+            self._next = (self._next + 1) % len(self._params)  # the next attempt moves on
+            try:
+                connection = await amqp.connect(params, name=self.name, timeout_s=CONNECT_TIMEOUT_S)
+            except OSError as error:  # refused, unreachable, TLS handshake
+                failures.append(unreachable(self.settings, error, params.url))
+            except BrokerUnavailableError as error:
+                failures.append(error)
+            else:
+                self.attempts += 1
+                self.node = node_of(params.url)
+                self.masked_url = params.masked_url
+                if failures:
+                    log.info("connected to %s; before it: %s", self.node, _joined(failures))
+                return connection
+        raise _joined(failures)
 
     async def __aiter__(self) -> AsyncIterator[amqp.Connection]:
         """A connection, and after the caller is done with it (it was lost), another.
@@ -92,25 +119,47 @@ class Connector:
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
             if failures:
-                log.info(
-                    "reconnected to %s after %d failed attempt(s)",
-                    self.settings.masked_url,
-                    failures,
-                )
+                log.info("reconnected to %s after %d failed round(s)", self.node, failures)
             delay, failures = RECONNECT_FIRST_S, 0
             yield connection
 
 
+def node_of(url: str) -> str:
+    """``host:port`` of a node URL (no user, no password): how logs and ``node`` name it."""
+    params = amqp.ConnectionParams.from_url(url)
+    return f"{params.host}:{params.port}"
+
+
 async def connect(settings: Settings, *, name: str = "hopsched") -> aio_pika.abc.AbstractConnection:
-    """Open a (non-robust) aio-pika connection to ``settings.url``.
+    """Open a (non-robust) aio-pika connection to the first of ``settings.urls`` that
+    answers, in the order given.
 
     Raises:
-        BrokerUnavailableError: as ``Connector.connect``.
+        BrokerUnavailableError: no node answers; names each masked URL and its cause.
     """
-    url = settings.masked_url
+    failures: list[BrokerUnavailableError] = []
+    for url in settings.urls:
+        try:
+            return await _connect_one(settings, url, name)
+        except BrokerUnavailableError as error:
+            failures.append(error)
+    raise _joined(failures)
+
+
+def _joined(failures: list[BrokerUnavailableError]) -> BrokerUnavailableError:
+    """One node's error as it is; several nodes' in one, each with its URL."""
+    if len(failures) == 1:
+        return failures[0]
+    return BrokerUnavailableError("no node answers: " + "; ".join(map(str, failures)))
+
+
+async def _connect_one(
+    settings: Settings, node_url: str, name: str
+) -> aio_pika.abc.AbstractConnection:
+    url = mask_url(node_url)
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            return await aio_pika.connect(settings.url, client_properties={"connection_name": name})
+            return await aio_pika.connect(node_url, client_properties={"connection_name": name})
     except TimeoutError:
         raise BrokerUnavailableError(
             f"{url}: no AMQP handshake within {CONNECT_TIMEOUT_S:g} s; is this RabbitMQ's "
@@ -123,27 +172,28 @@ async def connect(settings: Settings, *, name: str = "hopsched") -> aio_pika.abc
         ) from None
     except aiormq.exceptions.AMQPConnectionError as error:
         if isinstance(error.__cause__, OSError):  # aiormq wraps socket errors
-            raise unreachable(settings, error.__cause__) from None
-        raise _refused(settings, error) from None
+            raise unreachable(settings, error.__cause__, node_url) from None
+        raise _refused(settings, error, node_url) from None
     except aiormq.exceptions.AMQPError:  # e.g. Connection.Close for a missing vhost
-        raise _refused(settings, None) from None
+        raise _refused(settings, None, node_url) from None
     except OSError as error:
-        raise unreachable(settings, error) from None
+        raise unreachable(settings, error, node_url) from None
 
 
-def unreachable(settings: Settings, error: BaseException) -> BrokerUnavailableError:
-    """The error for a broker that cannot be reached (or whose TLS handshake failed)."""
+def unreachable(
+    settings: Settings, error: BaseException, url: str | None = None
+) -> BrokerUnavailableError:
+    """The error for a broker that cannot be reached (or whose TLS handshake failed) at
+    ``url``, one of ``settings.urls`` (default the first)."""
+    url = settings.urls[0] if url is None else url
+    masked = mask_url(url)
     reason = _reason(error, settings)
     if isinstance(error, ssl.SSLError):
-        return BrokerUnavailableError(
-            f"{settings.masked_url}: TLS handshake failed ({reason}); {_TLS_HINT}"
-        )
+        return BrokerUnavailableError(f"{masked}: TLS handshake failed ({reason}); {_TLS_HINT}")
     hint = "is RabbitMQ running and listening there?"
-    if settings.url.startswith("amqps:"):  # a broker refusing the handshake just resets
+    if url.startswith("amqps:"):  # a broker refusing the handshake just resets
         hint = f"is RabbitMQ's TLS listener there? If so, {_TLS_HINT}"
-    return BrokerUnavailableError(
-        f"{settings.masked_url}: cannot reach the broker ({reason}); {hint}"
-    )
+    return BrokerUnavailableError(f"{masked}: cannot reach the broker ({reason}); {hint}")
 
 
 _TLS_HINT = (
@@ -153,10 +203,10 @@ _TLS_HINT = (
 )
 
 
-def _refused(settings: Settings, error: BaseException | None) -> BrokerUnavailableError:
+def _refused(settings: Settings, error: BaseException | None, url: str) -> BrokerUnavailableError:
     reason = f" ({_reason(error, settings)})" if error is not None else ""
     return BrokerUnavailableError(
-        f"{settings.masked_url}: the broker closed the connection during the handshake"
+        f"{mask_url(url)}: the broker closed the connection during the handshake"
         f"{reason}; check that the vhost in the URL exists and the "
         "user may use it (rabbitmqctl list_permissions -p VHOST), and that the port is "
         "RabbitMQ's AMQP port"
@@ -165,4 +215,6 @@ def _refused(settings: Settings, error: BaseException | None) -> BrokerUnavailab
 
 def _reason(error: BaseException, settings: Settings) -> str:
     text = str(error) or type(error).__name__
-    return text.replace(settings.url, settings.masked_url)
+    for url in settings.urls:  # a library's words may quote the URL, password and all
+        text = text.replace(url, mask_url(url))
+    return text

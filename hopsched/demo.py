@@ -247,7 +247,7 @@ async def run_demo_or_local(
             broker, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed, out=out
         )
 
-    if not await nothing_answers(settings.url):
+    if not all([await nothing_answers(url) for url in settings.urls]):
         return await demo_on(settings)
     bin_dir = rabbitmq_bin_dir()
     if bin_dir is None:

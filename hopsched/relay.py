@@ -63,10 +63,21 @@ log = logging.getLogger("hopsched.relay")
 _Outcome = Callable[[amqp.Outcome, Any], None]
 #: Bytes a held message costs beyond its body and properties (objects, timer entry).
 _HELD_OVERHEAD = 600
+#: A hop nacked by the relay's own step queue (a quorum leader election on a cluster, a
+#: node going down) is tried again after these waits, s, then parked: about 16 s in all,
+#: more than an election takes.
+HOP_NACK_WAITS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0)
 
 
 class Relay:
     """The relay daemon. ``await relay.run()`` until ``await relay.stop()``.
+
+    Args:
+        settings: the broker (one URL or a cluster's), prefix and limits.
+        shutdown_timeout_s: how long ``run()`` may take to return once stopping, s.
+        clock: the time now, µs since the epoch (tests replace it).
+        first_url: index in ``settings.urls`` of the node to try first (default
+            random; then round-robin, see ``hopsched.connect``).
 
     Attributes:
         stats: counters and measurements (``RelayStats``); ``totals`` is the same.
@@ -84,6 +95,7 @@ class Relay:
         *,
         shutdown_timeout_s: float = 10.0,
         clock: Callable[[], int] = now_us,
+        first_url: int | None = None,
     ) -> None:
         self.settings = settings = settings or Settings()
         self.ladder = settings.ladder
@@ -106,10 +118,17 @@ class Relay:
         self._reported_at = time.monotonic()
         self._session: _Session | None = None
         self.metrics: MetricsServer | None = None
+        # random by default: relays started with one URL list spread over the nodes
+        self._connector = Connector(settings, name="hopsched-relay", start=first_url)
 
     @property
     def totals(self) -> RelayStats:
         return self.stats
+
+    @property
+    def node(self) -> str | None:
+        """``host:port`` of the node the relay consumes from, None while not consuming."""
+        return self._connector.node if self._consuming.is_set() else None
 
     async def wait_consuming(self) -> None:
         """Return once the relay is connected and consuming."""
@@ -151,9 +170,7 @@ class Relay:
 
     async def _run(self) -> None:
         reporter = asyncio.create_task(self._report_periodically())
-        connections: AsyncIterator[amqp.Connection] = aiter(
-            Connector(self.settings, name="hopsched-relay")
-        )
+        connections: AsyncIterator[amqp.Connection] = aiter(self._connector)
         served = 0
         delay = RECONNECT_FIRST_S  # before trying again a session that never consumed
         try:
@@ -169,7 +186,7 @@ class Relay:
                         delay = RECONNECT_FIRST_S
                         log.warning(
                             "lost the connection to %s (%s); reconnecting",
-                            self.settings.masked_url,
+                            self._connector.node,
                             error,
                         )
                     else:  # connected but could not start (e.g. a queue is down)
@@ -272,9 +289,9 @@ class _Session:
         tag = await channel.consume(topology.relay_queue, self._received, lambda _: cancelled.set())
         relay._consuming.set()
         log.info(
-            "relay consuming %s on %s (prefetch %d, %s ladder %d..%d ms)",
+            "relay consuming %s on node %s (prefetch %d, %s ladder %d..%d ms)",
             topology.relay_queue,
-            self.settings.masked_url,
+            relay._connector.masked_url,
             self.settings.prefetch,
             self.settings.queue_type,
             self.settings.min_step_ms,
@@ -339,14 +356,17 @@ class _Session:
             log.exception("the relay failed on a delivery (schedule id %s)", _schedule_id(delivery))
             self._reject(delivery, f"the relay failed on it: {error!r}")
 
-    def _route(self, delivery: amqp.Delivery) -> None:
+    def _route(self, delivery: amqp.Delivery, *, nacks: int = 0) -> None:
+        """Hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its hop
+        was nacked already (a retry: its hop stamp was measured on arrival)."""
         properties = delivery.properties
         if properties is None:
             self._park_as_is(delivery)
             return
         now = self.clock()
         headers: Mapping[str, Any] = properties.headers or {}
-        self._measure_hop(headers, now)
+        if not nacks:
+            self._measure_hop(headers, now)
         ladder = self.relay.ladder
         decision = self.relay.decider.decide(
             headers,
@@ -367,7 +387,7 @@ class _Session:
             return
         envelope = decision.envelope
         if isinstance(decision.plan, Hop):
-            self._hop(delivery, envelope, decision.plan.step_ms)
+            self._hop(delivery, envelope, decision.plan.step_ms, nacks=nacks)
             return
         try:
             final = _Final(delivery, envelope, now)
@@ -476,6 +496,7 @@ class _Session:
         *,
         retry: bool = False,
         redeclared: bool = False,
+        nacks: int = 0,
     ) -> None:
         assert delivery.properties is not None
         now = self.clock()
@@ -501,10 +522,47 @@ class _Session:
                     queue,
                     lambda: self._hop(delivery, envelope, step_ms, retry=retry, redeclared=True),
                 )
+            elif outcome is amqp.Outcome.NACK and nacks < len(HOP_NACK_WAITS_S):
+                self._after_hop_nack(delivery, envelope, step_ms, retry, nacks, queue)
             else:
                 self._not_published(delivery, f"hop to {queue}", outcome, detail)
 
         self._publish(LADDER_LANE, "", queue, delivery, encoded, hopped)
+
+    def _after_hop_nack(
+        self,
+        delivery: amqp.Delivery,
+        envelope: Envelope,
+        step_ms: int,
+        retry: bool,
+        nacks: int,
+        queue: str,
+    ) -> None:
+        """Try a nacked hop again after a back-off: our own queue refusing is a quorum
+        leader election (or a node down), over within seconds, not a reason to park."""
+        self.stats.hop_nacks += 1
+        wait_s = HOP_NACK_WAITS_S[nacks]
+        if self.stats.first_problem(queue, "nacked: trying again after a back-off"):
+            log.warning("the broker nacked a hop to %s; trying again in %.2f s", queue, wait_s)
+
+        def again() -> None:
+            if self.connection.closed.done():
+                return  # unacked: the broker delivers it again after the reconnect
+            if retry:  # a target's back-off hop: same step (late at worst, never early)
+                self._hop(delivery, envelope, step_ms, retry=True, nacks=nacks + 1)
+            else:  # decide anew: the due time came closer meanwhile
+                self._route(delivery, nacks=nacks + 1)
+
+        asyncio.get_running_loop().call_later(
+            wait_s, functools.partial(self._guarded_call, delivery, again)
+        )
+
+    def _guarded_call(self, delivery: amqp.Delivery, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as error:  # a bug must cost one message a detour, not a slot
+            log.exception("the relay failed on a delivery (schedule id %s)", _schedule_id(delivery))
+            self._reject(delivery, f"the relay failed on it: {error!r}")
 
     def _deliver(self, final: _Final) -> None:
         delivery, envelope, arrived = final.delivery, final.envelope, final.arrived_us

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 import os
 import socket
@@ -200,6 +201,7 @@ class _Prepared:
     queue: str
     scheduled: Scheduled
     redeclared: bool = field(default=False)
+    nacks: int = field(default=0)  # times the broker nacked it so far
 
 
 #: Basic properties that are AMQP short strings (at most 255 bytes).
@@ -220,6 +222,10 @@ _PROPERTIES_ALLOWANCE = 6 * 1024
 #: ``schedule_many`` encodes and publishes this many, then lets the event loop send
 #: them and read confirms while it goes on (the broker works meanwhile).
 _SLICE = 500
+log = logging.getLogger("hopsched.scheduler")
+#: Waits before publishing again what the broker nacked, s: doubling from the first to
+#: the most, until ``Settings.publish_timeout_s``.
+_NACK_FIRST_WAIT_S, _NACK_MAX_WAIT_S = 0.1, 2.0
 
 
 class Scheduler:
@@ -231,13 +237,23 @@ class Scheduler:
     the broker is back works. ``close()`` releases the connection; a Scheduler used
     again after it connects anew.
 
+    With several node URLs it connects to one (``first_url``: the index of the first to
+    try, default random) and, after losing it, to the next that answers: a call made
+    as the node goes may raise ``BrokerUnavailableError``; the next one fails over. A
+    publish the broker nacks (a quorum leader election) is sent again until
+    ``Settings.publish_timeout_s``.
+
     Raises (on enter):
         BrokerUnavailableError: cannot connect or log in (URL shown masked).
         TopologyMismatchError: the prefix's queues exist with other arguments.
     """
 
     def __init__(
-        self, settings: Settings | None = None, *, clock: Callable[[], int] = now_us
+        self,
+        settings: Settings | None = None,
+        *,
+        clock: Callable[[], int] = now_us,
+        first_url: int | None = None,
     ) -> None:
         self.settings = settings or Settings()
         self.topology = Topology.from_settings(self.settings)
@@ -245,11 +261,19 @@ class Scheduler:
         self._ladder = self.settings.ladder
         self._clock = clock
         self._targets = self.settings.target_policy
-        self._connector = Connector(self.settings, name="hopsched-scheduler")
+        self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
         self._stream_declared = False
+
+    @property
+    def node(self) -> str | None:
+        """``host:port`` of the node the Scheduler is connected to, None if none."""
+        publisher = self._publisher
+        if publisher is None or not publisher.connection.is_open:
+            return None
+        return self._connector.node
 
     async def __aenter__(self) -> Scheduler:
         await self._connected()
@@ -588,7 +612,12 @@ class Scheduler:
                 while todo:  # a second round for first queues declared again
                     todo = await self._round(prepared, todo, results)
         except TimeoutError:
-            raise self._timed_out(timeout_s) from None
+            unsettled = [i for i, result in enumerate(results) if result is None]
+            nacked = [i for i in unsettled if _nacked(prepared[i])]
+            if not unsettled or len(nacked) < len(unsettled):
+                raise self._timed_out(timeout_s) from None
+            for index in nacked:  # nacked until the deadline: refused, not unanswered
+                results[index] = self._failure(prepared[index].queue, amqp.Outcome.NACK, None)
         return [result for result in results if result is not None]
 
     async def _round(
@@ -645,7 +674,9 @@ class Scheduler:
                     functools.partial(settle, index),
                 )
         await settled
-        again = []
+        again: list[int] = []
+        redeclare: set[str] = set()
+        nacks = 0
         for index, (outcome, detail) in outcomes.items():
             item = prepared[index]
             assert isinstance(item, _Prepared) or outcome is amqp.Outcome.CLOSED
@@ -655,11 +686,22 @@ class Scheduler:
                 results[index] = item.scheduled
             elif outcome is amqp.Outcome.RETURNED and not item.redeclared:
                 item.redeclared = True  # the first queue is gone: declare it again
+                redeclare.add(item.queue)
+                again.append(index)
+            elif outcome is amqp.Outcome.NACK:
+                # Our own step queue refused it: on a cluster, a quorum leader election
+                # (a node went down), over in seconds. Try again until publish_timeout_s.
+                item.nacks += 1
+                nacks = max(nacks, item.nacks)
                 again.append(index)
             else:
                 results[index] = self._failure(item.queue, outcome, detail)
-        for queue in {prepared[index].queue for index in again}:
+        for queue in redeclare:
             await declare_topology(self.settings, [queue])
+        if nacks:
+            if nacks == 1:
+                log.warning("the broker nacked a publish; trying again until publish_timeout_s")
+            await asyncio.sleep(min(_NACK_FIRST_WAIT_S * 2 ** (nacks - 1), _NACK_MAX_WAIT_S))
         return again
 
     def _timed_out(self, timeout_s: float) -> PublishTimeoutError:
@@ -692,6 +734,10 @@ class Scheduler:
                 "again with the same schedule_id"
             )
         return PublishRejectedError(f"{outcome.value}: {detail}")
+
+
+def _nacked(item: _Checked | _Prepared) -> bool:
+    return isinstance(item, _Prepared) and item.nacks > 0
 
 
 def _body_and_properties(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, cast
 from urllib.parse import unquote, urlsplit
@@ -14,21 +14,40 @@ from hopsched.errors import InvalidSettingsError
 from hopsched.ladder import Ladder
 from hopsched.targets import TargetPolicy
 
-__all__ = ["QueueType", "Settings", "mask_url"]
+__all__ = ["QueueType", "Settings", "mask_url", "split_urls"]
 
 QueueType = Literal["quorum", "classic"]
 
 _PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$")
 _ENV = "HOPSCHED_"
+# Several node URLs: split at a comma only where the next URL starts, so that an
+# unencoded comma inside a password does not split it.
+_URL_SEPARATOR = re.compile(r"\s*,\s*(?=amqps?://)")
+
+
+def split_urls(url: str) -> list[str]:
+    """The node URLs in a comma-separated ``url`` (one URL gives a list of one).
+
+    A comma separates two URLs only where ``amqp://`` or ``amqps://`` follows it.
+    """
+    return [part for part in _URL_SEPARATOR.split(url.strip()) if part]
 
 
 def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and output).
+    """``url`` with any password replaced by ``***`` (for logs, errors and output); a
+    comma-separated list of URLs has each one masked.
 
     Works on the raw text, not a URL parser: the user info is everything between
     ``://`` and the last ``@``, so a password holding unencoded ``/``, ``#`` or ``?``
     is masked too.
     """
+    parts = split_urls(url)
+    if len(parts) > 1:
+        return ",".join(_mask_one(part) for part in parts)
+    return _mask_one(url)
+
+
+def _mask_one(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     userinfo, at, hostpart = rest.rpartition("@")
     if not sep:  # malformed (e.g. no scheme): mask everything from the first ':' to the '@'
@@ -77,7 +96,13 @@ class Settings:
 
     Attributes:
         url: AMQP URL (``amqp://`` or ``amqps://``; aio-pika's query options such as
-            ``?heartbeat=30`` pass through). Shown masked everywhere.
+            ``?heartbeat=30`` pass through), or the URLs of several nodes of one
+            cluster: a sequence, or one string with the URLs separated by commas (as in
+            ``HOPSCHED_URL`` and ``--url``). Stored as that comma-separated string;
+            ``urls`` gives the list. They must share the user and vhost (the relay checks
+            ``user_id`` against the login). Each connection attempt of a process starts
+            at a random URL (so processes spread over the nodes) and goes round the list
+            on failure (``hopsched.connect.Connector``). Shown masked everywhere.
         prefix: namespace of every broker object, so several ladders share a vhost.
         min_step_ms, max_step_ms: the ladder's smallest and largest step TTL, powers of
             two in ms.
@@ -118,7 +143,7 @@ class Settings:
         InvalidSettingsError: a value is out of range; the message says which and why.
     """
 
-    url: str = "amqp://guest:guest@localhost:5672/"
+    url: str | Sequence[str] = "amqp://guest:guest@localhost:5672/"
     prefix: str = "hopsched"
     min_step_ms: int = 16
     max_step_ms: int = 2**32
@@ -135,7 +160,18 @@ class Settings:
     metrics_address: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        _check_url(self.url)
+        object.__setattr__(self, "url", _join_urls(self.url))
+        urls = self.urls
+        for url in urls:
+            _check_url(url)
+        first = urlsplit(urls[0])
+        for url in urls[1:]:  # one cluster: one login (user_id checks) and one vhost
+            parts = urlsplit(url)
+            if (parts.username, parts.path or "/") != (first.username, first.path or "/"):
+                raise InvalidSettingsError(
+                    f"url {mask_url(url)!r}: every node URL must name the same user and "
+                    f"vhost as the first, {mask_url(urls[0])!r}"
+                )
         if not _PREFIX.match(self.prefix) or self.prefix.startswith("amq."):
             raise InvalidSettingsError(
                 f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-', "
@@ -196,22 +232,27 @@ class Settings:
         return TargetPolicy(self.allowed_targets)
 
     @property
+    def urls(self) -> tuple[str, ...]:
+        """The node URLs, in the order given (at least one)."""
+        return tuple(split_urls(str(self.url)))
+
+    @property
     def login(self) -> str:
         """The user name the URL logs in with (aio-pika's default: ``guest``)."""
-        return unquote(urlsplit(self.url).username or "guest")
+        return unquote(urlsplit(self.urls[0]).username or "guest")
 
     @property
     def vhost(self) -> str:
         """The virtual host the URL names, percent-decoded: ``/`` for a
         URL whose path is empty or ``/``, else the path after its first ``/``
         (``amqp://h/team%2Fa`` is vhost ``team/a``)."""
-        path = urlsplit(self.url).path
+        path = urlsplit(self.urls[0]).path
         return unquote(path[1:]) if path not in ("", "/") else "/"
 
     @property
     def masked_url(self) -> str:
-        """The URL with its password replaced by ``***``."""
-        return mask_url(self.url)
+        """The URL (or URLs, comma-separated) with each password replaced by ``***``."""
+        return mask_url(str(self.url))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -241,3 +282,23 @@ class Settings:
                 ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _join_urls(url: object) -> str:
+    """``Settings.url`` as one comma-separated string, from a string or a sequence."""
+    if isinstance(url, str):
+        parts = split_urls(url)
+    elif isinstance(url, Sequence) and all(isinstance(part, str) for part in url):
+        parts = [part.strip() for part in url]
+        for part in parts:
+            if len(split_urls(part)) > 1:
+                raise InvalidSettingsError(
+                    f"url {mask_url(part)!r}: give one URL per item of the sequence"
+                )
+    else:
+        raise InvalidSettingsError(
+            f"url: expected a string or a sequence of strings, not {type(url).__name__}"
+        )
+    if not parts:
+        raise InvalidSettingsError("url: no URL given")
+    return ",".join(parts)

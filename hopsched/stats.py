@@ -161,6 +161,8 @@ class RelayStats:
         cancelled: messages dropped because their schedule was cancelled.
         records: cancel and reschedule records read from ``{prefix}.cancelled``.
         reconnects: connections opened after the first.
+        hop_nacks: hops the broker nacked (a quorum leader election, a node down) and
+            the relay tried again after a back-off.
         lateness: final publish confirmed - due time, µs, for messages on time.
         overshoot: arrival of a hop - the instant its step's TTL ran out, µs (hops
             stamped by a relay only).
@@ -181,6 +183,7 @@ class RelayStats:
     cancelled: int = 0
     records: int = 0
     reconnects: int = 0
+    hop_nacks: int = 0
     parked_by_kind: dict[ParkKind, int] = field(default_factory=lambda: dict.fromkeys(ParkKind, 0))
     lateness: LatenessStats = field(default_factory=LatenessStats)
     overshoot: LatenessStats = field(default_factory=LatenessStats)
@@ -266,7 +269,8 @@ class RelayStats:
             f"in_flight={self.in_flight_now()}; "
             f"lateness {now.lateness.summary()}, hop overshoot {now.overshoot.summary()}; "
             f"since start: delivered={totals.delivered} hops={totals.hops} "
-            f"parked={totals.parked} reconnects={totals.reconnects}"
+            f"parked={totals.parked} reconnects={totals.reconnects} "
+            f"hop_nacks={totals.hop_nacks}"
         ]
         lines += [
             f"{count} messages for {target}: {problem}"

@@ -27,6 +27,7 @@ from hopsched.settings import QueueType, Settings
 __all__ = [
     "CANCEL_RETENTION_US",
     "DEAD_LETTER_ROUTING_KEY",
+    "LEADER_LOCATOR",
     "PARKED_DELIVERY_LIMIT",
     "RELAY_DELIVERY_LIMIT",
     "Permissions",
@@ -56,6 +57,11 @@ PARKED_DELIVERY_LIMIT = 1_000_000
 #: How long the cancellation stream keeps a record, µs: the top step (every pending
 #: message comes by a relay at least that often) and a day (``hopsched.cancel``).
 CANCEL_RETENTION_US = MAX_STEP_MS * 1000 + 86_400_000_000
+#: Quorum step and relay queues are declared with ``x-queue-leader-locator=balanced``
+#: (RabbitMQ >= 3.10): each new queue's leader goes to the node with the fewest
+#: leaders, so a ladder's queues spread over a cluster instead of all leading on the
+#: node the first declaring process happened to be connected to (``client-local``).
+LEADER_LOCATOR = "x-queue-leader-locator"
 # Arguments added by hopsched 0.2; a queue declared before lacks them (see `upgrade`).
 _ADDED_IN_0_2 = frozenset({"x-delivery-limit", "x-dead-letter-exchange"})
 
@@ -220,6 +226,7 @@ class Topology:
         if self.queue_type == "quorum":
             arguments["x-dead-letter-strategy"] = "at-least-once"
             arguments["x-overflow"] = "reject-publish"
+            arguments[LEADER_LOCATOR] = "balanced"
         return arguments
 
     def step_arguments(self, step_ms: int) -> dict[str, Any]:
@@ -273,19 +280,31 @@ class Topology:
         """
         wanted = None if names is None else set(names)
         declaring = self.expired_exchange
-        async with connection.channel(publisher_confirms=False) as channel:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
             try:
-                exchange = await channel.declare_exchange(
+                await channel.declare_exchange(
                     self.expired_exchange, aio_pika.ExchangeType.DIRECT, durable=True
                 )
                 for name, arguments in self.queues().items():
                     if wanted is not None and name not in wanted:
                         continue
                     declaring = name
-                    queue = await channel.declare_queue(name, durable=True, arguments=arguments)
+                    try:
+                        queue = await channel.declare_queue(name, durable=True, arguments=arguments)
+                    except aiormq.exceptions.ChannelPreconditionFailed as error:
+                        if not _leader_locator_differs(error):
+                            raise
+                        # Declared before hopsched set the leader locator: keep the queue
+                        # as it is (placement only, not correctness), on a new channel
+                        # as the 406 closed this one.
+                        log.info("queue %s keeps its leader locator (%s)", name, error)
+                        channel = await connection.channel(publisher_confirms=False)
+                        arguments = {k: v for k, v in arguments.items() if k != LEADER_LOCATOR}
+                        queue = await channel.declare_queue(name, durable=True, arguments=arguments)
                     log.debug("declared queue %s %s", name, arguments)
                     if name == self.relay_queue:
-                        await queue.bind(exchange, routing_key=DEAD_LETTER_ROUTING_KEY)
+                        await queue.bind(self.expired_exchange, routing_key=DEAD_LETTER_ROUTING_KEY)
             except aiormq.exceptions.ChannelPreconditionFailed as error:
                 raise await self._explain(connection, declaring, error) from None
             except aiormq.exceptions.ChannelAccessRefused as error:
@@ -307,6 +326,9 @@ class Topology:
                         "docs/operations.md"
                     )
                 raise BrokerUnavailableError(reason) from None
+        finally:
+            if not channel.is_closed:
+                await channel.close()
 
     async def upgrade(self, connection: aio_pika.abc.AbstractConnection) -> list[str]:
         """Re-declare ``{prefix}.relay`` and ``{prefix}.parked`` with this version's
@@ -388,7 +410,9 @@ class Topology:
             except aiormq.exceptions.ChannelNotFoundEntity:
                 depths[name] = None
             except aiormq.exceptions.ChannelPreconditionFailed as error:
-                raise await self._explain(connection, name, error) from None
+                if not _leader_locator_differs(error):
+                    raise await self._explain(connection, name, error) from None
+                depths[name] = QueueDepth(ok.message_count or 0, ok.consumer_count or 0)
             except aiormq.exceptions.ChannelAccessRefused as error:
                 raise AccessRefusedError(
                     f"reading {name!r}: {error.args[0] if error.args else error}"
@@ -491,6 +515,13 @@ class Topology:
         except aiormq.exceptions.ChannelPreconditionFailed:
             return _mismatch(text)
         return TopologyMismatchError(queue, "x-queue-type", self.queue_type, other, text)
+
+
+def _leader_locator_differs(error: aiormq.exceptions.ChannelPreconditionFailed) -> bool:
+    """Whether the 406 names only the leader locator, which ``declare()`` tolerates:
+    a queue declared before hopsched set it has none."""
+    match = _INEQUIVALENT.search(str(error.args[0] if error.args else error))
+    return match is not None and match["arg"] == LEADER_LOCATOR
 
 
 def _mismatch(text: str, fix: str | None = None) -> TopologyMismatchError:

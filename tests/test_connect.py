@@ -188,3 +188,24 @@ async def test_a_user_without_configure_permission_gets_one_clear_error(
     assert "configure" in text
     assert settings.prefix in text
     assert password not in text
+
+
+async def test_a_connector_walks_the_url_list_past_a_node_that_refuses(
+    broker_url: str, prefix: str
+) -> None:
+    """Node 0 refuses (nothing listens on port 1): one attempt goes on to the next URL;
+    the following attempt starts after the one that answered."""
+    dead = with_login(broker_url, "guest", "guest", port=1)
+    settings = hopsched.Settings(url=[dead, broker_url], prefix=prefix)
+    connector = hopsched.connect.Connector(settings, name="test-walk", start=0)
+    connection = await connector.connect()
+    try:
+        assert connector.node == hopsched.connect.node_of(broker_url)
+    finally:
+        await connection.close()
+    only_dead = hopsched.connect.Connector(
+        hopsched.Settings(url=[dead, dead.replace(":1/", ":2/")], prefix=prefix), name="t"
+    )
+    with pytest.raises(hopsched.BrokerUnavailableError, match="no node answers") as caught:
+        await only_dead.connect()
+    assert "guest:guest" not in str(caught.value)

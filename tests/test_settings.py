@@ -328,3 +328,19 @@ def test_a_malformed_url_never_shows_its_password(url: str) -> None:
 )
 def test_vhost_is_the_urls_path_percent_decoded(url: str, vhost: str) -> None:
     assert Settings(url=url).vhost == vhost
+
+
+def test_several_urls_from_a_sequence_or_commas_each_masked() -> None:
+    urls = ["amqp://u:p1,x@h1:5672/v", "amqp://u:p2@h2:5673/v"]
+    from_list = Settings(url=urls)
+    from_text = Settings.from_env({"HOPSCHED_URL": " , ".join(urls)})
+    assert from_list.urls == from_text.urls == tuple(urls)  # the comma in p1,x stays
+    assert from_list.masked_url == "amqp://u:***@h1:5672/v,amqp://u:***@h2:5673/v"
+    assert "p1" not in repr(from_list)
+    assert "p2" not in repr(from_list)
+
+
+def test_several_urls_must_share_user_and_vhost() -> None:
+    with pytest.raises(InvalidSettingsError, match="same user and vhost") as caught:
+        Settings(url="amqp://u:s3cret@h1/v,amqp://w:s3cret@h2/v")
+    assert "s3cret" not in str(caught.value)

@@ -13,6 +13,7 @@ from support import Cleanup, get_all, hopsched_cli, queue_arguments, rabbitmqctl
 import hopsched
 from hopsched.topology import (
     DEAD_LETTER_ROUTING_KEY,
+    LEADER_LOCATOR,
     PARKED_DELIVERY_LIMIT,
     RELAY_DELIVERY_LIMIT,
     declare_topology,
@@ -151,3 +152,23 @@ async def test_the_cli_names_the_upgrade_and_runs_it(
 
     status, _, err = await hopsched_cli("declare", settings=settings)
     assert status == 0, err
+
+
+async def test_queues_declared_without_the_leader_locator_are_kept_as_they_are(
+    make_settings: Any, amqp: AMQP
+) -> None:
+    """A ladder declared before ``x-queue-leader-locator=balanced``: RabbitMQ refuses the
+    redeclare (406), declare() keeps the queues as they are, ``status`` checks pass."""
+    settings = make_settings(queue_type="quorum")
+    topology = hopsched.Topology.from_settings(settings)
+    async with amqp.channel() as channel:
+        for name, arguments in topology.queues().items():
+            older = {k: v for k, v in arguments.items() if k != LEADER_LOCATOR}
+            await channel.declare_queue(name, durable=True, arguments=older)
+
+    await declare_topology(settings)  # no TopologyMismatchError
+
+    held = await queue_arguments()
+    assert all(LEADER_LOCATOR not in held[name] for name in topology.queues())
+    depths = await topology.inspect(amqp)
+    assert all(depth is not None for depth in depths.values())
