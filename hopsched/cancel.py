@@ -11,11 +11,13 @@ by the clocks of the two producers: a message scheduled again with the same id a
 cancel is a new schedule and is delivered. A reschedule moves those messages to a new
 due time.
 
-Records are kept until their schedule can no longer come by: the due time, where the
-record knows it (a reschedule; a cancel once a relay has seen the message), plus
-``GRACE_US`` for copies a crash may have left; otherwise until ``retention_us`` after
-the record, which is at least the top step (every pending message visits a relay at
-least that often, so it meets the record while it is kept).
+Records are kept until their schedule can no longer come by. Until a relay has met
+the message, that is ``retention_us`` after the record, which is at least the top step:
+every pending message visits a relay at least that often, so it meets the record while
+it is kept (a reschedule to a time further off is kept until that time too). Once a
+relay has met the message, its due time is known: the record is kept until the later
+of the message's and the record's due times, plus ``GRACE_US`` for copies a crash may
+have left on the ladder.
 """
 
 from __future__ import annotations
@@ -99,23 +101,24 @@ class Cancellations:
     Args:
         retention_us: how long a record whose schedule's due time is unknown is kept.
 
-    Memory: a cancel whose due time is unknown (the common case) is one entry keyed by
-    the id's UTF-8 bytes with its instant as the value, about 180 bytes for a 32-character
-    id (``tests/test_cancel_records.py``); records that know a due time keep a tuple.
+    Memory: a cancel no relay has met the message of (the common case) is one entry
+    keyed by the id's UTF-8 bytes with its instant as the value, about 180 bytes for a
+    32-character id (``tests/test_cancel_records.py``); the others keep a tuple.
     """
 
     def __init__(self, retention_us: int) -> None:
         self.retention_us = retention_us
-        self._cancelled: dict[bytes, int] = {}  # id -> when; due time unknown
-        self._timed: dict[bytes, tuple[str, int, int]] = {}  # id -> (op, when, due)
+        self._cancelled: dict[bytes, int] = {}  # id -> when; no message met yet
+        # id -> (op, when, the record's due time, kept until)
+        self._timed: dict[bytes, tuple[str, int, int | None, int]] = {}
 
     def __len__(self) -> int:
         return len(self._cancelled) + len(self._timed)
 
-    def _known(self, key: bytes) -> tuple[str, int, int | None] | None:
+    def _known(self, key: bytes) -> tuple[str, int, int | None, int] | None:
         at = self._cancelled.get(key)
         if at is not None:
-            return CANCEL, at, None
+            return CANCEL, at, None, at + self.retention_us
         return self._timed.get(key)
 
     def apply(self, record: Record) -> None:
@@ -129,17 +132,21 @@ class Cancellations:
             return
         self._cancelled.pop(key, None)
         self._timed.pop(key, None)
-        if record.due_us is None:
+        if record.due_us is None:  # a cancel by id alone
             self._cancelled[key] = record.at_us
-        else:
-            self._timed[key] = (record.op, record.at_us, record.due_us)
+        elif record.op == CANCEL:  # the canceller knew the due time (and a reschedule's)
+            due = max(record.due_us, known[2] or 0) if known else record.due_us
+            self._timed[key] = (CANCEL, record.at_us, record.due_us, due + GRACE_US)
+        else:  # a reschedule: kept for its message's next visit, and past its own due time
+            until = max(record.at_us + self.retention_us, record.due_us + GRACE_US)
+            self._timed[key] = (RESCHEDULE, record.at_us, record.due_us, until)
 
     def verdict(self, schedule_id: str, created_us: int, due_us: int) -> str | int | None:
         """What applies to a message created at ``created_us`` and due at ``due_us``:
         ``CANCEL``, a new due time (µs), or None.
 
-        A cancel that did not know the due time learns it here, so that it is
-        forgotten once that has passed.
+        The record learns the message's due time here, so that it is forgotten once
+        that (and a reschedule's own due time) has passed.
         """
         if not self._cancelled and not self._timed:
             return None
@@ -147,11 +154,11 @@ class Cancellations:
         known = self._known(key)
         if known is None or known[1] < created_us:
             return None
-        op, at, record_due = known
+        op, at, record_due, _ = known
+        until = max(due_us, record_due or 0) + GRACE_US
+        self._cancelled.pop(key, None)
+        self._timed[key] = (op, at, record_due, until)
         if op == CANCEL:
-            if record_due is None:
-                del self._cancelled[key]
-                self._timed[key] = (op, at, due_us)
             return CANCEL
         return record_due if record_due != due_us else None
 
@@ -161,7 +168,7 @@ class Cancellations:
         stale = [key for key, at in self._cancelled.items() if at < horizon]
         for key in stale:
             del self._cancelled[key]
-        timed = [key for key, (_, _, due) in self._timed.items() if due + GRACE_US < now_us]
+        timed = [key for key, (_, _, _, until) in self._timed.items() if until < now_us]
         for key in timed:
             del self._timed[key]
         return len(stale) + len(timed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from hopsched.amqp.wire import Properties, Table
@@ -47,6 +48,7 @@ __all__ = [
     "DeliveryInfo",
     "Envelope",
     "callers_headers",
+    "dead_lettered_us",
     "delivery_headers",
     "delivery_properties",
     "first_hop_properties",
@@ -226,6 +228,19 @@ class Envelope:
         if len(envelope.routing_key.encode()) > 255 or len(envelope.exchange.encode()) > 255:
             raise EnvelopeError("target exchange and routing key are limited to 255 bytes", headers)
         return envelope
+
+
+def dead_lettered_us(headers: Mapping[str, Any]) -> int | None:
+    """When the broker last dead-lettered this message, µs since the epoch by the
+    broker's clock, to the whole second (the ``time`` of the first ``x-death`` entry,
+    the latest: https://www.rabbitmq.com/docs/dlx#effects); None without one."""
+    deaths = headers.get("x-death")
+    if not isinstance(deaths, list) or not deaths or not isinstance(deaths[0], Mapping):
+        return None
+    died = deaths[0].get("time")
+    if not isinstance(died, datetime):
+        return None
+    return int(died.timestamp()) * 1_000_000
 
 
 def _field(headers: Mapping[str, Any], name: str, kind: type, *, required: bool = True) -> Any:

@@ -39,6 +39,7 @@ from hopsched.envelope import (
     HEADER_ROUTING_KEY,
     RELAY_CLOCK,
     Envelope,
+    dead_lettered_us,
     delivery_properties,
     hop_properties,
     parked_properties,
@@ -67,6 +68,12 @@ _HELD_OVERHEAD = 600
 #: node going down) is tried again after these waits, s, then parked: about 16 s in all,
 #: more than an election takes.
 HOP_NACK_WAITS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0)
+
+#: A first hop consumed this long (µs) after the broker dead-lettered it (its x-death
+#: time, whole seconds) waited in the relay queue: its lateness says nothing of the
+#: producer's clock. Two seconds: one for the rounding, one for the clocks of broker and
+#: relay.
+QUEUED_TOO_LONG_US = 2_000_000
 
 
 class Relay:
@@ -432,6 +439,9 @@ class _Session:
             cap = self.settings.hold_window_ms * US_PER_MS
             self.relay.overshoot.record(min(sample, cap), now)
         elif isinstance(clock, str):
+            died = dead_lettered_us(headers)
+            if died is None or now - died > QUEUED_TOO_LONG_US:
+                return  # it waited in the relay queue (a backlog, no relay): not a clock
             offset = self.stats.record_clock_sample(clock, sample)
             if offset is not None:
                 log.warning(

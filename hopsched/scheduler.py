@@ -787,4 +787,8 @@ def _check_schedule_id(schedule_id: str | None) -> str:
             f"schedule_id={_shorten(schedule_id)}: use at most {MAX_SCHEDULE_ID_BYTES} bytes "
             "of printable characters, e.g. 'order-42-timeout'"
         )
+    if schedule_id != schedule_id.strip():
+        raise InvalidScheduleError(
+            f"schedule_id={_shorten(schedule_id)}: has whitespace at either end; strip it"
+        )
     return schedule_id

@@ -161,8 +161,10 @@ def test_tiny_burst_run_reports_first_and_last_delivery(broker_url: str, tmp_pat
         hopsched_row = strategies[f"hopsched-quorum, {count} at once"]
         assert hopsched_row["scheduled_with"].startswith("schedule_many")
         assert hopsched_row["scheduled_ahead_of_due_s"] > 0
+        assert hopsched_row["relayed_msgs"] > 0
         for field in HOPSCHED_FIELDS:
-            assert hopsched_row[field] > 0, field
+            # CPU time comes in clock ticks (10 ms): a burst of 100 may cost less than one
+            assert hopsched_row[field] >= 0, field
     assert "| hopsched-quorum, 200 at once | 200 | 200 | 0 | 0 | 0 |" in result.stdout
 
 

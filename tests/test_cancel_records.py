@@ -99,10 +99,35 @@ def test_records_are_forgotten_once_no_message_can_meet_them() -> None:
 
     assert cancellations.forget(NOW + 10 * S + GRACE_US) == 0
     assert cancellations.forget(NOW + 10 * S + GRACE_US + 1) == 1  # due-known
-    assert cancellations.forget(NOW + 30 * S + GRACE_US + 1) == 2  # moved, due-learnt
-    assert len(cancellations) == 1
+    assert cancellations.forget(NOW + 30 * S + GRACE_US + 1) == 1  # due-learnt
+    assert len(cancellations) == 2
     assert cancellations.forget(NOW + 50 * DAY) == 0
-    assert cancellations.forget(NOW + 50 * DAY + 1) == 1  # kept for the whole retention
+    # kept for the whole retention: no relay has met "moved" (its due time is not its
+    # message's), nor "due-unknown"
+    assert cancellations.forget(NOW + 50 * DAY + 1) == 2
+
+
+def test_an_earlier_reschedule_waits_for_its_message_however_far_in_the_past() -> None:
+    """Found by a new-user trial: a reschedule to a time long past was forgotten an hour
+    after that time, before its message (due in a week, on a long step) came by, which
+    then left at its old due time."""
+    cancellations = Cancellations(retention_us=50 * DAY)
+    cancellations.apply(Record(RESCHEDULE, "x", at_us=NOW, due_us=NOW - 365 * DAY))
+    cancellations.forget(NOW + 3 * DAY)  # the message's next visit: three days later
+
+    assert cancellations.verdict("x", NOW - S, NOW + 7 * DAY) == NOW - 365 * DAY
+    # met: kept only for crash copies, until past the later of the two due times
+    assert cancellations.forget(NOW + 7 * DAY + GRACE_US) == 0
+    assert cancellations.forget(NOW + 7 * DAY + GRACE_US + 1) == 1
+
+
+def test_a_cancel_that_knows_the_due_time_keeps_a_rescheduled_later_one() -> None:
+    cancellations = Cancellations(retention_us=50 * DAY)
+    cancellations.apply(Record(RESCHEDULE, "x", at_us=NOW, due_us=NOW + 10 * DAY))
+    cancellations.apply(Record(CANCEL, "x", at_us=NOW + S, due_us=NOW + 60 * S))  # stale due
+
+    assert cancellations.forget(NOW + 9 * DAY) == 0
+    assert cancellations.verdict("x", NOW - S, NOW + 10 * DAY) == CANCEL
 
 
 def test_a_pending_cancellation_costs_at_most_200_bytes() -> None:

@@ -138,6 +138,29 @@ async def test_F15_a_producer_clock_off_by_minutes_is_estimated_and_warned_about
         assert len(target) == 0
 
 
+async def test_F15_messages_that_waited_for_a_relay_do_not_look_like_a_clock_offset(
+    make_settings: Callable[..., hopsched.Settings],
+    relays: Relays,
+    targets: Targets,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a new-user trial: a relay started after its producer's first hops had
+    expired saw them late and warned of the producer's clock (run NTP), though producer
+    and relay share one clock. The x-death time tells the wait in the relay queue apart."""
+    caplog.set_level(logging.WARNING, "hopsched.relay")
+    settings = make_settings()
+    target = await targets.queue()
+    async with hopsched.Scheduler(settings) as scheduler:
+        scheduled = await scheduler.schedule(b"waited", delay=1, routing_key=target.name)
+    await asyncio.sleep(5)  # expired about 4 s ago; no relay yet
+    relay = await relays.start(settings)
+
+    (received,) = await target.wait_for(1, within=30)
+    assert received.schedule_id == scheduled.schedule_id
+    assert not [r.getMessage() for r in caplog.records if "clock seems" in r.getMessage()]
+    assert scheduler.producer not in relay.stats.clock_offsets
+
+
 # F16 ------------------------------------------------------------------------------------
 
 

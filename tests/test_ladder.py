@@ -191,7 +191,8 @@ def test_hops_within_the_ladder_are_logarithmic_in_the_delay(
 def test_a_hop_is_the_largest_ladder_step_that_fits(
     ladder: Ladder, now_us: int, remaining_us: int
 ) -> None:
-    margin_us = ladder.hop_margin_ms * US_PER_MS
+    # a hop lands in the hold window's second half at least (Ladder.plan)
+    margin_us = max(ladder.hop_margin_ms, ladder.hold_window_ms // 2) * US_PER_MS
 
     action = ladder.plan(now_us=now_us, due_us=now_us + remaining_us)
 

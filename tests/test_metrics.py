@@ -15,12 +15,12 @@ from datetime import UTC, datetime, timedelta
 import aio_pika
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import HEADER_HOPS, Targets, hopsched_cli
 
 import hopsched
 from hopsched.decide import ParkKind
 from hopsched.metrics import RelayCollector, serve_metrics
 from hopsched.stats import BUCKET_BOUNDS_US, RelayStats
-from tests.support import HEADER_HOPS, Targets, hopsched_cli
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -740,3 +740,24 @@ async def test_F18_expiration_edges_on_the_broker(
                 aiormq.exceptions.ChannelPreconditionFailed, match="invalid expiration"
             ):
                 await publish
+
+
+@pytest.mark.parametrize(
+    ("schedule_id", "named"),
+    [
+        ("", "non-empty"),
+        (" order-42", "whitespace at either end"),
+        ("order-42\t", "printable"),
+        ("x" * 256, "at most 255 bytes"),
+        ("é" * 128, "at most 255 bytes"),
+    ],
+)
+def test_a_schedule_id_that_cannot_be_a_business_key_is_refused(
+    schedule_id: str, named: str
+) -> None:
+    """The ids the docs rule out are refused by name, before anything is sent."""
+    from hopsched.scheduler import _check_schedule_id
+
+    with pytest.raises(InvalidScheduleError, match=named):
+        _check_schedule_id(schedule_id)
+    assert _check_schedule_id("order-42-timeout é") == "order-42-timeout é"
