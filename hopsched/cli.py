@@ -196,6 +196,10 @@ def relay(
 @click.option("--body-file", type=click.File("rb"), help="Message body from a file (- = stdin).")
 @click.option("--header", "headers", multiple=True, metavar="K=V", help="Header (string).")
 @click.option("--content-type", help="content_type property, e.g. application/json.")
+@click.option(
+    "--schedule-id",
+    help="Your id for it, to cancel or reschedule by, e.g. order-42-timeout (default random).",
+)
 def schedule(
     url: str | None,
     prefix: str | None,
@@ -208,6 +212,7 @@ def schedule(
     body_file: Any,
     headers: tuple[str, ...],
     content_type: str | None,
+    schedule_id: str | None,
 ) -> None:
     """Schedule one message; prints its schedule id and due time (UTC)."""
     if (at is None) == (delay is None):
@@ -223,6 +228,8 @@ def schedule(
             raise click.BadParameter(
                 f"{key!r}: x-hopsched-* headers are hopsched's own", param_hint="--header"
             )
+        if key in header_table:
+            raise click.BadParameter(f"{key!r} given twice", param_hint="--header")
         header_table[key] = value
     # surrogateescape: the exact bytes of a non-UTF-8 argument, as the shell passed them
     payload = (
@@ -245,7 +252,12 @@ def schedule(
     async def go() -> None:
         async with Scheduler(settings) as scheduler:
             result = await scheduler.schedule(
-                message, at=at, delay=delay, exchange=exchange, routing_key=routing_key
+                message,
+                at=at,
+                delay=delay,
+                exchange=exchange,
+                routing_key=routing_key,
+                schedule_id=schedule_id,
             )
         click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}")
 
@@ -358,6 +370,24 @@ def status(
         return depths, await relay_nodes(settings, topology.relay_queue, urls)
 
     depths, nodes = cast(tuple[dict[str, QueueDepth | None], RelayNodes | None], _run(go()))
+    _show_status(settings, topology, depths, nodes, as_json)
+    # the stream is declared on the first cancel: missing until then is normal
+    missing = [name for name in topology.queues_but_stream() if depths.get(name) is None]
+    if missing:
+        raise click.ClickException(
+            f"{len(missing)} of the prefix's queues are missing ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): check --prefix and --queue-type, or "
+            "declare them with `hopsched declare` (a relay declares them when it starts)"
+        )
+
+
+def _show_status(
+    settings: Settings,
+    topology: Topology,
+    depths: dict[str, QueueDepth | None],
+    nodes: RelayNodes | None,
+    as_json: bool,
+) -> None:
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
     if as_json:

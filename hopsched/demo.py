@@ -15,11 +15,12 @@ from typing import TextIO
 from urllib.parse import urlsplit
 
 import aio_pika
+import aiormq
 
 from hopsched.clock import now_us
 from hopsched.connect import connect
 from hopsched.envelope import DeliveryInfo
-from hopsched.errors import BrokerUnavailableError
+from hopsched.errors import BrokerUnavailableError, HopschedError
 from hopsched.localbroker import private_node, rabbitmq_bin_dir
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduler
@@ -137,16 +138,22 @@ async def run_demo(
 
     relay = Relay(settings)
     relay_task = asyncio.create_task(relay.run())
-    connection = await connect(settings, name="hopsched-demo")
+    consuming = asyncio.create_task(relay.wait_consuming())
+    connection: aio_pika.abc.AbstractConnection | None = None
     try:
-        await asyncio.wait(
-            {relay_task, asyncio.create_task(relay.wait_consuming())},
-            return_when=asyncio.FIRST_COMPLETED,
-        )
+        await asyncio.wait({relay_task, consuming}, return_when=asyncio.FIRST_COMPLETED)
         if relay_task.done():
             relay_task.result()  # raises the relay's error
+        connection = await connect(settings, name="hopsched-demo")
         channel = await connection.channel()
-        queue = await channel.declare_queue(target, exclusive=True)
+        try:
+            queue = await channel.declare_queue(target, exclusive=True)
+        except aiormq.exceptions.ChannelLockedResource:
+            raise HopschedError(
+                f"another demo is running with prefix {settings.prefix!r} on this broker "
+                f"(its queue {target} is exclusive): wait for it to finish, or give this "
+                "one its own with --prefix"
+            ) from None
         await queue.consume(on_message, no_ack=False)
         delays = log_uniform_delays(count, min_delay_s, max_delay_s, seed)
         out.write(
@@ -171,10 +178,12 @@ async def run_demo(
         deadline = now_us() + int((max_delay_s + _GRACE_S) * 1_000_000)
         await _wait_with_progress(everything, deadline, lambda: report.delivered, count, out)
     finally:
+        consuming.cancel()
         await relay.stop()
         with contextlib.suppress(Exception):
-            await relay_task
-        await connection.close()
+            await relay_task  # its error, if any, was raised above
+        if connection is not None:
+            await connection.close()
     return report
 
 

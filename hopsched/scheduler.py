@@ -39,7 +39,7 @@ from hopsched.ladder import US_PER_MS, Hop
 from hopsched.publisher import LADDER_LANE, Publisher
 from hopsched.settings import Settings
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology, declare_topology
-from hopsched.validate import check_expiration, check_headers
+from hopsched.validate import check_expiration, check_headers, shorten
 
 __all__ = [
     "CANCEL_LEAD_S",
@@ -128,8 +128,7 @@ def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) 
     due_us = _due_time_us(at, delay, now)
     if due_us > MAX_DUE_US:
         raise InvalidScheduleError(
-            f"the due time is after year 9999 ({_shorten(delay if at is None else at)}): "
-            "use a shorter delay"
+            f"the due time is after year 9999 ({delay if at is None else at}): use a shorter delay"
         )
     # Before 1970 is long past due, like a negative delay: due at the epoch, delivered at
     # once (the envelope carries no negative due time).
@@ -141,7 +140,7 @@ def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int)
         raise InvalidScheduleError("give exactly one of at= (a datetime) and delay=")
     if at is not None:
         if not isinstance(at, datetime):
-            raise InvalidScheduleError(f"at={_shorten(at)}: must be a datetime")
+            raise InvalidScheduleError(f"at={shorten(at)}: must be a datetime")
         if at.tzinfo is None or at.utcoffset() is None:
             raise InvalidScheduleError(
                 f"at={at.isoformat()} is a naive datetime, which could mean any time zone. "
@@ -153,9 +152,7 @@ def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int)
     if isinstance(delay, timedelta):
         return now + max(0, timedelta_to_us(delay))
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
-        raise InvalidScheduleError(
-            f"delay={_shorten(delay)}: must be a timedelta or finite seconds"
-        )
+        raise InvalidScheduleError(f"delay={shorten(delay)}: must be a timedelta or finite seconds")
     if delay <= 0:
         return now
     if delay > MAX_DUE_US / 1_000_000:  # no 300-digit Decimal below
@@ -169,11 +166,6 @@ def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int)
         return now + micros
     # Otherwise the Decimal of its shortest repr: exact, where delay * 1e6 rounds.
     return now + math.ceil(Decimal(repr(delay)) * 1_000_000)
-
-
-def _shorten(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 @dataclass(slots=True)
@@ -527,9 +519,10 @@ class Scheduler:
                 f"({self.settings.login!r}) here, and the relay must log in as it too "
                 "(https://www.rabbitmq.com/docs/validated-user-id)"
             )
+        checked = check_headers(callers.headers)  # names what it refuses
         try:
-            headers = callers_headers(check_headers(callers.headers))
-        except (TypeError, ValueError) as error:  # check_headers names what it knows
+            headers = callers_headers(checked)
+        except (TypeError, ValueError) as error:
             raise InvalidScheduleError(f"headers: {error}") from None
         callers.headers = None  # encoded apart, above
         self._check_sizes(callers, headers)
@@ -564,7 +557,7 @@ class Scheduler:
             value = getattr(properties, name, None)
             if isinstance(value, str) and len(value.encode()) > 255:
                 raise InvalidScheduleError(
-                    f"{name} {_shorten(value)}: AMQP carries at most 255 bytes (UTF-8) there"
+                    f"{name} {shorten(value)}: AMQP carries at most 255 bytes (UTF-8) there"
                 )
         publisher = self._publisher
         frame_max = publisher.connection.frame_max if publisher is not None else 131_072
@@ -756,12 +749,12 @@ def _body_and_properties(
         message, aio_pika.abc.AbstractMessage
     ):
         raise InvalidScheduleError(
-            f"message {_shorten(message)}: must be an aio_pika.Message or bytes"
+            f"message {shorten(message)}: must be an aio_pika.Message or bytes"
         )
     expiration = getattr(message, "expiration", None)
     if expiration is not None and not isinstance(expiration, (int, float, timedelta, datetime)):
         raise InvalidScheduleError(
-            f"expiration={_shorten(expiration)}: aio-pika takes seconds (int or float), a "
+            f"expiration={shorten(expiration)}: aio-pika takes seconds (int or float), a "
             "timedelta or a datetime; the final publish carries it as RabbitMQ's ms string"
         )
     try:
@@ -773,7 +766,7 @@ def _body_and_properties(
 def _check_name(name: str, value: object) -> None:
     if type(value) is not str or (len(value) > 63 and len(value.encode()) > 255):
         raise InvalidScheduleError(
-            f"{name} {_shorten(value)}: must be a str of at most 255 bytes (UTF-8)"
+            f"{name} {shorten(value)}: must be a str of at most 255 bytes (UTF-8)"
         )
 
 
@@ -781,14 +774,14 @@ def _check_schedule_id(schedule_id: str | None) -> str:
     if schedule_id is None:
         return os.urandom(16).hex()  # as unique as a uuid4's hex, a fifth of the cost
     if not isinstance(schedule_id, str) or not schedule_id:
-        raise InvalidScheduleError(f"schedule_id={_shorten(schedule_id)}: must be a non-empty str")
+        raise InvalidScheduleError(f"schedule_id={shorten(schedule_id)}: must be a non-empty str")
     if len(schedule_id.encode()) > MAX_SCHEDULE_ID_BYTES or not schedule_id.isprintable():
         raise InvalidScheduleError(
-            f"schedule_id={_shorten(schedule_id)}: use at most {MAX_SCHEDULE_ID_BYTES} bytes "
+            f"schedule_id={shorten(schedule_id)}: use at most {MAX_SCHEDULE_ID_BYTES} bytes "
             "of printable characters, e.g. 'order-42-timeout'"
         )
     if schedule_id != schedule_id.strip():
         raise InvalidScheduleError(
-            f"schedule_id={_shorten(schedule_id)}: has whitespace at either end; strip it"
+            f"schedule_id={shorten(schedule_id)}: has whitespace at either end; strip it"
         )
     return schedule_id

@@ -118,7 +118,7 @@ def check_headers(headers: Mapping[str, Any] | None, *, where: str = "headers") 
         return {}
     if not isinstance(headers, Mapping):
         raise InvalidScheduleError(
-            f"{where} {_shorten(headers)}: must be a dict of str keys, got {type(headers).__name__}"
+            f"{where} {shorten(headers)}: must be a dict of str keys, got {type(headers).__name__}"
         )
     try:
         return _table(headers, 0)
@@ -131,19 +131,19 @@ def _table(table: Mapping[Any, Any], depth: int) -> dict[str, Any]:
     for key, value in table.items():
         if not isinstance(key, str):
             raise _Refused(
-                f"key {_shorten(key)} has type {type(key).__name__}: AMQP table keys are "
+                f"key {shorten(key)} has type {type(key).__name__}: AMQP table keys are "
                 "strings; use str(key)"
             )
         if _utf8_size(key, "key ") > MAX_KEY_BYTES:
             raise _Refused(
-                f"key {_shorten(key)} is {len(key.encode())} bytes of UTF-8: pamqp cuts keys "
+                f"key {shorten(key)} is {len(key.encode())} bytes of UTF-8: pamqp cuts keys "
                 f"to {MAX_KEY_BYTES} bytes, so keys sharing their first {MAX_KEY_BYTES} "
                 "would merge and a value be lost; use a shorter key"
             )
         try:
             result[key] = _value(value, depth)
         except _Refused as refused:
-            refused.path.append(f"[{_shorten(key)}]")
+            refused.path.append(f"[{shorten(key)}]")
             raise
     return result
 
@@ -164,7 +164,7 @@ def _value(value: Any, depth: int) -> Any:
     if isinstance(value, str):
         if _utf8_size(value, "") > _LONG_MAX:
             raise _Refused(
-                f"{_shorten(value)} is longer than an AMQP long string ({_LONG_MAX} bytes)"
+                f"{shorten(value)} is longer than an AMQP long string ({_LONG_MAX} bytes)"
             )
         return value
     if value is None or isinstance(value, bool):
@@ -172,7 +172,7 @@ def _value(value: Any, depth: int) -> Any:
     if isinstance(value, int):
         if not _INT64[0] <= value <= _INT64[1]:
             raise _Refused(
-                f"{_shorten(value)} is beyond a signed 64-bit integer, the widest AMQP "
+                f"{shorten(value)} is beyond a signed 64-bit integer, the widest AMQP "
                 "integer: send it as a string"
             )
         return value
@@ -188,7 +188,7 @@ def _value(value: Any, depth: int) -> Any:
     if isinstance(value, bytes | bytearray):
         if len(value) > _LONG_MAX:
             raise _Refused(
-                f"{_shorten(value)} is longer than an AMQP byte array ({_LONG_MAX} bytes)"
+                f"{shorten(value)} is longer than an AMQP byte array ({_LONG_MAX} bytes)"
             )
         # pamqp cannot encode bytes (TypeError) but sends a bytearray as a byte array.
         return value if isinstance(value, bytearray) else bytearray(value)
@@ -212,7 +212,7 @@ def _utf8_size(text: str, label: str) -> int:
         return len(text.encode())
     except UnicodeEncodeError as error:
         raise _Refused(
-            f"{label}{_shorten(text)} holds a lone surrogate {text[error.start]!r} at index "
+            f"{label}{shorten(text)} holds a lone surrogate {text[error.start]!r} at index "
             f"{error.start}, which UTF-8 (the encoding of AMQP strings) cannot carry; "
             "fix the text, or send raw data as bytes"
         ) from None
@@ -247,7 +247,7 @@ def _check_decimal(value: Decimal) -> None:
             if _DECIMAL_DIGITS[0] <= (-mantissa if sign else mantissa) <= _DECIMAL_DIGITS[1]:
                 return
     raise _Refused(
-        f"{_shorten(value)} does not fit an AMQP decimal (a signed 32-bit integer of "
+        f"{shorten(value)} does not fit an AMQP decimal (a signed 32-bit integer of "
         f"digits, {_DECIMAL_DIGITS[0]} to {_DECIMAL_DIGITS[1]}, and 0 to "
         f"{_DECIMAL_PLACES} decimal places); round it, or send it as a string"
     )
@@ -275,14 +275,15 @@ def _unknown_type(value: object) -> str:
             "aware datetime, e.g. datetime(*t[:6], tzinfo=timezone.utc) if it is UTC"
         )
     if isinstance(value, tuple | set | frozenset):
-        return f"{_shorten(value)} has type {kind}; use a list (AMQP arrays arrive as lists)"
+        return f"{shorten(value)} has type {kind}; use a list (AMQP arrays arrive as lists)"
     return (
-        f"{_shorten(value)} has type {kind}, which AMQP cannot carry; use str, int, float, "
+        f"{shorten(value)} has type {kind}, which AMQP cannot carry; use str, int, float, "
         "bool, Decimal, an aware datetime, bytes, None, dict or list"
     )
 
 
-def _shorten(value: object) -> str:
+def shorten(value: object) -> str:
+    """``value`` as an error message shows it: its repr, cut short, with its length."""
     if isinstance(value, int) and value.bit_length() > 128:  # repr() refuses huge ints
         return f"an int of {value.bit_length()} bits"
     if isinstance(value, str | bytes | bytearray) and len(value) > _SHORT:
@@ -351,7 +352,7 @@ def check_expiration(value: Any) -> str | None:
 
 def _expiration_error(value: object, problem: str) -> InvalidScheduleError:
     return InvalidScheduleError(
-        f"expiration {_shorten(value)} {problem}: it must be whole milliseconds from 0 to "
+        f"expiration {shorten(value)} {problem}: it must be whole milliseconds from 0 to "
         f"{MAX_EXPIRATION_MS} (10 years), as an int or a string of digits such as '60000' "
         "(RabbitMQ closes the channel, 406 PRECONDITION_FAILED, on a negative, larger or "
         "non-integer one)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -194,11 +195,13 @@ async def test_the_cli_cancels_and_reschedules(
     settings: hopsched.Settings, relay: hopsched.Relay, targets: Targets
 ) -> None:
     target = await targets.queue()
+    schedule_id = f"order-{uuid.uuid4().hex[:8]}-timeout"
     status, out, err = await hopsched_cli(
-        "schedule", "--in", "3s", "--routing-key", target.name, "--body", "x", settings=settings
-    )
+        "schedule", "--in", "3s", "--routing-key", target.name, "--body", "x",
+        "--schedule-id", schedule_id, settings=settings,
+    )  # fmt: skip
     assert status == 0, err
-    schedule_id = out.split()[1]
+    assert out.split()[1] == schedule_id
     status, out, err = await hopsched_cli(
         "reschedule", schedule_id, "--in", "4s", settings=settings
     )

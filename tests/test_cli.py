@@ -124,6 +124,39 @@ async def test_schedule_declare_and_status_on_the_real_broker(
     assert topology.step_queue(2**32) in out
 
 
+async def test_status_of_a_prefix_with_no_queues_exits_1_naming_them() -> None:
+    """Found by a new-user trial: status listed every queue as missing and exited 0,
+    though the exit table gives 1 for a missing queue (a mistyped --prefix, say)."""
+    prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
+
+    status, out, err = await hopsched_cli(
+        "status", "--url", "amqp://guest:guest@127.0.0.1:5672/", "--prefix", prefix
+    )
+
+    assert status == 1, (out, err)
+    assert f"{prefix}.relay" in out
+    assert "missing" in out
+    assert "queues are missing" in err
+    assert "hopsched declare" in err
+    assert "Traceback" not in err
+
+
+async def test_the_permissions_example_in_the_docs_is_what_the_command_prints() -> None:
+    """docs/operations.md shows a `hopsched permissions` run; it must not drift from the
+    command (a new-user trial found it without the cancel stream)."""
+    docs = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    example = re.search(r"\$ (hopsched permissions [^\n]+)\n(rabbitmqctl [^\n]+)\n", docs)
+    assert example is not None
+    command, printed = example.groups()
+
+    status, out, err = await hopsched_cli(
+        *shlex.split(command)[1:], "--url", "amqp://guest:guest@127.0.0.1:5672/"
+    )
+
+    assert status == 0, err
+    assert printed in out.splitlines()
+
+
 async def test_an_out_of_range_due_time_is_refused_before_connecting(
     settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
@@ -259,8 +292,9 @@ async def test_status_and_parked_list_report_a_queue_type_mismatch_and_declare_n
         assert "declares x-queue-type=classic" in line
         assert "Fix:" in line
     status, out, err = await hopsched_cli("status", settings=settings)
-    assert status == 0, err
+    assert status == 1, err  # a missing queue
     assert re.search(rf"{re.escape(gone)} +missing", out)
+    assert gone in err
     with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):  # still not declared
         await (await amqp.channel()).declare_queue(gone, passive=True)
 
