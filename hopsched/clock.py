@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
-__all__ = ["datetime_to_us", "now_us", "timedelta_to_us", "us_to_datetime"]
+__all__ = ["MAX_DUE_US", "datetime_to_us", "now_us", "timedelta_to_us", "us_to_datetime"]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
+#: The last due time a datetime can name (the end of year 9999), µs since the epoch.
+MAX_DUE_US = (datetime.max.replace(tzinfo=UTC) - _EPOCH) // _US
 
 
 def now_us() -> int:

@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from hopsched.amqp.wire import Properties, Table
+from hopsched.clock import MAX_DUE_US
 from hopsched.errors import EnvelopeError
 
 __all__ = [
@@ -225,6 +226,8 @@ class Envelope:
                 f"headers {HEADER_DUE!r}, {HEADER_HOPS!r} and {HEADER_RETRIES!r} must be >= 0",
                 headers,
             )
+        if envelope.due_us > MAX_DUE_US:  # it would hop on the top step for ever
+            raise EnvelopeError(f"header {HEADER_DUE!r} is after year 9999", headers)
         if len(envelope.routing_key.encode()) > 255 or len(envelope.exchange.encode()) > 255:
             raise EnvelopeError("target exchange and routing key are limited to 255 bytes", headers)
         return envelope

@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from types import TracebackType
 from typing import Any
@@ -21,7 +21,7 @@ from pamqp.commands import Basic
 from hopsched import amqp
 from hopsched.amqp.wire import FRAME_OVERHEAD
 from hopsched.cancel import CANCEL, RESCHEDULE, Record, encode_records
-from hopsched.clock import datetime_to_us, now_us, timedelta_to_us, us_to_datetime
+from hopsched.clock import MAX_DUE_US, datetime_to_us, now_us, timedelta_to_us, us_to_datetime
 from hopsched.connect import Connector
 from hopsched.envelope import PERSISTENT, Envelope, callers_headers, first_hop_properties
 from hopsched.errors import (
@@ -110,10 +110,6 @@ class ScheduleRequest:
     delay: timedelta | float | None = None
     exchange: str = ""
     schedule_id: str | None = None
-
-
-#: The latest due time: the end of year 9999 UTC, the last instant a datetime holds.
-MAX_DUE_US = datetime_to_us(datetime.max.replace(tzinfo=UTC))
 
 
 def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pamqp import decode, encode
 
+from hopsched.clock import MAX_DUE_US
 from hopsched.envelope import (
     BROKER_DEAD_LETTER_HEADERS,
     BROKER_DELIVERY_COUNT_HEADER,
@@ -66,7 +67,7 @@ def utf8_at_most(limit: int) -> st.SearchStrategy[str]:
 envelopes = st.builds(
     Envelope,
     schedule_id=st.text(),
-    due_us=st.integers(0, 2**62),
+    due_us=st.integers(0, MAX_DUE_US),
     exchange=utf8_at_most(255),
     routing_key=utf8_at_most(255),
     hops=st.integers(0, 2**31),
@@ -193,6 +194,15 @@ def test_unknown_version_is_an_envelope_error_saying_what_to_run(version: int) -
 def test_negative_due_or_hops_is_an_envelope_error(name: str, value: int) -> None:
     with pytest.raises(EnvelopeError, match=">= 0"):
         Envelope.from_headers(valid_headers(**{name: value}))
+
+
+@pytest.mark.parametrize("value", [MAX_DUE_US + 1, 2**62])
+def test_a_due_time_after_year_9999_is_an_envelope_error(value: int) -> None:
+    """Found by a new-user trial: an injected due of 2**62 µs hopped on the top step
+    for ever; it is malformed (schedule() never writes one) and gets parked."""
+    with pytest.raises(EnvelopeError, match="after year 9999"):
+        Envelope.from_headers(valid_headers(**{HEADER_DUE: value}))
+    assert Envelope.from_headers(valid_headers(**{HEADER_DUE: MAX_DUE_US})).due_us == MAX_DUE_US
 
 
 def test_due_zero_is_accepted() -> None:
