@@ -45,7 +45,6 @@ from bench_workload import Workload, parse_delays
 import hopsched
 from hopsched import mask_url
 from hopsched.durations import parse_duration
-from hopsched.localbroker import private_cluster, private_node
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quick": {"count": 500, "rate": 100.0, "delays": "loguniform:10ms:5s"},
@@ -240,6 +239,9 @@ async def _main_cluster(options: dict[str, Any]) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     memory: dict[str, int] = {}
+    # here, not at the top: a hopsched measured through --hopsched-path may predate it
+    from hopsched.localbroker import private_cluster, private_node
+
     load_start = _load()
     async with private_node() as node:
         broker = await _broker(node.url)

@@ -28,10 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench_measure import delivery_fields
+if __name__ == "__main__":  # the consumer process: this repository's hopsched, whichever
+    # one is measured (the benchmark process imports this module only for its line format)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this repository's client
-from hopsched import amqp
+from bench_measure import delivery_fields
 
 __all__ = ["READY", "STRAY", "format_line", "parse_line"]
 
@@ -58,6 +59,8 @@ def parse_line(line: str) -> tuple[str, int, int, int] | None:
 
 
 async def main(url: str, queue_name: str) -> None:
+    from hopsched import amqp
+
     parent = os.getppid()
     out = sys.stdout.buffer
     lines: list[str] = []

@@ -26,7 +26,12 @@ from bench_strategies import BURST_BATCH, Hopsched, make_strategy, relay_command
 from bench_workload import Workload, parse_delays
 
 import hopsched
-from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK
+from hopsched.envelope import HEADER_HOP_EXPIRES
+
+try:
+    from hopsched.envelope import HEADER_HOP_CLOCK, RELAY_CLOCK
+except ImportError:  # a hopsched measured through --hopsched-path from before clock stamps
+    HEADER_HOP_CLOCK, RELAY_CLOCK = "x-hopsched-hop-clock", "relay"
 
 __all__ = ["relay_hops", "run_backlog", "run_bursts", "run_throughput"]
 

@@ -19,7 +19,14 @@ import aiormq
 from bench_measure import BENCH_DUE, BENCH_ID, MAX_IN_FLIGHT, Pipeline, now_us, stop_process
 
 import hopsched
-from hopsched.settings import split_urls
+
+try:
+    from hopsched.settings import split_urls
+except ImportError:  # a hopsched measured through --hopsched-path from before node lists
+
+    def split_urls(url: str) -> list[str]:
+        return [url]
+
 
 try:  # the relay's own publisher; a hopsched from before it (--hopsched-path) has none
     from hopsched import amqp
