@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 import aio_pika
 
 from hopsched import DeliveryInfo, Relay, Scheduler, Settings
+from hopsched.connect import connect
 
 QUEUE = "example.order-timeouts"
 
@@ -31,7 +32,7 @@ async def main() -> None:
     relaying = asyncio.create_task(relay.run())
     await relay.wait_consuming()
 
-    connection = await aio_pika.connect(settings.url)
+    connection = await connect(settings)  # an aio-pika connection; walks a URL list
     async with connection:
         channel = await connection.channel()
         queue = await channel.declare_queue(QUEUE, durable=True)

@@ -31,6 +31,12 @@ log = logging.getLogger("hopsched.relay")
 _PREFETCH = 2000
 _PERSISTENT = amqp.Properties(delivery_mode=2).encode()
 
+#: How long ``follow`` waits to read its marker back, s. 1,000,000 records take ~6 s
+#: here; a stream consumer that gets nothing for this long (seen on RabbitMQ 3.10 when
+#: the stream's leader moved during a rolling restart) is given up, and the relay
+#: connects again rather than wait for ever without consuming.
+CATCH_UP_TIMEOUT_S = 60.0
+
 
 class CancelReader:
     """Follows one prefix's cancellation stream into ``cancellations``.
@@ -123,7 +129,7 @@ class CancelReader:
             asyncio.ensure_future(asyncio.shield(lost)),
             refused,
         }
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, timeout=CATCH_UP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
         for waiting in waits:
             waiting.cancel()
         if not caught_up.is_set():
@@ -133,7 +139,12 @@ class CancelReader:
                 raise BrokerConnectionLost(f"the broker cancelled the reading of {self.stream}")
             if channel.closed.done():
                 raise channel.closed.result()
-            raise connection.closed.result()
+            if connection.closed.done():
+                raise connection.closed.result()
+            raise BrokerUnavailableError(
+                f"{self.stream} gave nothing back for {CATCH_UP_TIMEOUT_S:.0f} s after this "
+                f"relay's marker record (read {read} records meanwhile)"
+            )
         log.info(
             "read %d cancel and reschedule records in %.1f s (%d pending)",
             read,

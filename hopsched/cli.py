@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any, TypeVar, cast
 
 import aio_pika
+import aiormq
 import click
 
 from hopsched.clock import now_us, us_to_datetime
@@ -264,6 +265,22 @@ def schedule(
     _run(go())
 
 
+async def _require_relay_queue(settings: Settings) -> None:
+    """A cancel or reschedule for a prefix nothing was scheduled with (a mistyped
+    --prefix) would succeed and change nothing: refuse it instead."""
+    relay_queue = Topology.from_settings(settings).relay_queue
+    connection = await connect(settings, name="hopsched-cli")
+    async with connection:
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(relay_queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise HopschedError(
+                f"prefix {settings.prefix!r} has no relay queue ({relay_queue}) at "
+                f"{settings.masked_url}: nothing was scheduled with it; check --prefix"
+            ) from None
+
+
 @main.command()
 @_connection_options
 @click.argument("schedule_ids", nargs=-1, required=True)
@@ -276,6 +293,7 @@ def cancel(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> list[Cancelled]:
+        await _require_relay_queue(settings)
         async with Scheduler(settings) as scheduler:
             return await scheduler.cancel_many(schedule_ids)
 
@@ -305,6 +323,7 @@ def reschedule(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> Scheduled:
+        await _require_relay_queue(settings)
         async with Scheduler(settings) as scheduler:
             return await scheduler.reschedule(schedule_id, at=at, delay=delay)
 
@@ -408,6 +427,8 @@ def _show_status(
     click.echo(f"{settings.masked_url} prefix {settings.prefix}")
     for name, depth in depths.items():
         text = "missing" if depth is None else f"{depth.messages:>9} messages"
+        if depth is None and name == topology.cancel_stream:
+            text = "not declared yet (the first cancel declares it)"
         click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
     if nodes is None:

@@ -122,6 +122,7 @@ class Relay:
         self._stop_by = math.inf  # time.monotonic() by which run() returns once stopping
         self._stopping = asyncio.Event()
         self._consuming = asyncio.Event()
+        self._ended: asyncio.Future[None] | None = None
         self._reported_at = time.monotonic()
         self._session: _Session | None = None
         self.metrics: MetricsServer | None = None
@@ -138,8 +139,28 @@ class Relay:
         return self._connector.node if self._consuming.is_set() else None
 
     async def wait_consuming(self) -> None:
-        """Return once the relay is connected and consuming."""
-        await self._consuming.wait()
+        """Return once the relay is connected and consuming.
+
+        Raises:
+            the error that ended ``run()`` before it consumed (e.g. BrokerUnavailableError:
+            a refused login), or RuntimeError if it returned without consuming.
+        """
+        consuming: asyncio.Future[Any] = asyncio.ensure_future(self._consuming.wait())
+        ended: asyncio.Future[Any] = self._ended_future()
+        try:
+            await asyncio.wait({consuming, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            consuming.cancel()
+        if not self._consuming.is_set():
+            if not ended.cancelled():
+                ended.result()  # raises run()'s error
+            raise RuntimeError("the relay stopped before it consumed")
+
+    def _ended_future(self) -> asyncio.Future[None]:
+        """Done when ``run()`` is: its error, or cancelled when it returned."""
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        return self._ended
 
     async def stop(self) -> None:
         """Ask ``run()`` to stop: it stops consuming, releases what it holds when due,
@@ -170,7 +191,16 @@ class Relay:
             )
         try:
             await self._run()
+        except Exception as error:
+            ended = self._ended_future()
+            if not ended.done():
+                ended.set_exception(error)
+                ended.exception()  # retrieved: run()'s caller has it too
+            raise
         finally:
+            ended = self._ended_future()
+            if not ended.done():
+                ended.cancel()  # returned (stopped) or cancelled
             if self.metrics is not None:
                 await asyncio.to_thread(self.metrics.close)
                 self.metrics = None
@@ -285,7 +315,7 @@ class _Session:
     async def serve(self) -> None:
         """Consume until the relay stops (then drain) or the connection goes (raised)."""
         relay, topology = self.relay, self.topology
-        await declare_topology(self.settings)
+        await declare_topology(self.settings, first=self.relay._connector.url)
         lost_stream = await relay.cancel_reader.follow(
             self.connection, self.publisher, self._record_read
         )
@@ -330,7 +360,7 @@ class _Session:
             # topology again and consume anew; deliveries held so far stay ours to ack.
             log.warning("the broker cancelled the relay's consumer; declaring and consuming again")
             cancelled.clear()
-            await declare_topology(self.settings)
+            await declare_topology(self.settings, first=self.relay._connector.url)
             tag = await channel.consume(
                 topology.relay_queue, self._received, lambda _: cancelled.set()
             )
@@ -363,16 +393,17 @@ class _Session:
             log.exception("the relay failed on a delivery (schedule id %s)", _schedule_id(delivery))
             self._reject(delivery, f"the relay failed on it: {error!r}")
 
-    def _route(self, delivery: amqp.Delivery, *, nacks: int = 0) -> None:
+    def _route(self, delivery: amqp.Delivery, *, nacks: int = 0, again: bool = False) -> None:
         """Hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its hop
-        was nacked already (a retry: its hop stamp was measured on arrival)."""
+        was nacked already; ``again``: routed anew (e.g. held, then rescheduled). Either
+        way its hop stamp was measured on arrival, not now."""
         properties = delivery.properties
         if properties is None:
             self._park_as_is(delivery)
             return
         now = self.clock()
         headers: Mapping[str, Any] = properties.headers or {}
-        if not nacks:
+        if not nacks and not again:
             self._measure_hop(headers, now)
         ladder = self.relay.ladder
         decision = self.relay.decider.decide(
@@ -471,7 +502,7 @@ class _Session:
             self.stats.record_cancelled()
             self.acker.done(final.delivery.delivery_tag)
         else:  # rescheduled: route it again, for its new due time
-            self._route(final.delivery)
+            self._route(final.delivery, again=True)
 
     # --- publishing ------------------------------------------------------------------------
 
@@ -703,7 +734,9 @@ class _Session:
         pending = self._redeclaring.get(queue)
         if pending is None:
             log.warning("queue %s is missing; declaring it again", queue)
-            pending = asyncio.ensure_future(declare_topology(self.settings, [queue]))
+            pending = asyncio.ensure_future(
+                declare_topology(self.settings, [queue], first=self.relay._connector.url)
+            )
             self._redeclaring[queue] = pending
             pending.add_done_callback(lambda _: self._redeclaring.pop(queue, None))
         pending.add_done_callback(lambda _: then())

@@ -302,11 +302,20 @@ class Scheduler:
             self._publisher = attempt.result()
 
     async def _connect(self) -> Publisher:
+        connection = await self._connector.connect()
         if not self._declared:
             # not the cancellation stream: scheduling must not wait on it (cancel declares it)
-            await declare_topology(self.settings, self.topology.queues_but_stream())
+            try:
+                await self._declare(self.topology.queues_but_stream())
+            except BaseException:
+                await connection.close()
+                raise
             self._declared = True
-        return Publisher(await self._connector.connect())
+        return Publisher(connection)
+
+    async def _declare(self, names: Iterable[str]) -> None:
+        """Declare ``names`` on the node this scheduler is on, if it answers."""
+        await declare_topology(self.settings, names, first=self._connector.url)
 
     async def schedule(
         self,
@@ -480,7 +489,7 @@ class Scheduler:
         """
         stream = self.topology.cancel_stream
         if not self._stream_declared:
-            await declare_topology(self.settings, [stream])
+            await self._declare([stream])
             self._stream_declared = True
         properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)
         writes = [
@@ -686,7 +695,7 @@ class Scheduler:
             else:
                 results[index] = self._failure(item.queue, outcome, detail)
         for queue in redeclare:
-            await declare_topology(self.settings, [queue])
+            await self._declare([queue])
         if nacks:
             if nacks == 1:
                 log.warning("the broker nacked a publish; trying again until publish_timeout_s")

@@ -565,14 +565,16 @@ async def _move_all(
         moved += 1
 
 
-async def declare_topology(settings: Settings, names: Iterable[str] | None = None) -> None:
+async def declare_topology(
+    settings: Settings, names: Iterable[str] | None = None, *, first: str | None = None
+) -> None:
     """Declare ``settings``' topology (or only the queues in ``names``) over a connection
-    of its own.
+    of its own, to the node URL ``first`` if it answers (see ``connect``).
 
     Raises:
         BrokerUnavailableError, TopologyMismatchError, AccessRefusedError.
     """
-    connection = await connect(settings, name="hopsched-declare")
+    connection = await connect(settings, name="hopsched-declare", first=first)
     async with connection:
         await Topology.from_settings(settings).declare(connection, names)
 

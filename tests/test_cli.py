@@ -141,6 +141,28 @@ async def test_status_of_a_prefix_with_no_queues_exits_1_naming_them() -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "command", [["cancel", "order-42"], ["reschedule", "order-42", "--in", "1h"]]
+)
+async def test_cancel_or_reschedule_for_a_prefix_with_nothing_scheduled_is_refused(
+    command: list[str], amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    """Found by a new-user trial: with a mistyped --prefix, cancel printed "cancelled"
+    and declared a whole new prefix, and the real message was still delivered."""
+    prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
+
+    status, out, err = await hopsched_cli(
+        *command, "--url", "amqp://guest:guest@127.0.0.1:5672/", "--prefix", prefix
+    )
+
+    assert status == 1, (out, err)
+    assert f"prefix {prefix!r} has no relay queue" in err
+    assert "check --prefix" in err
+    channel = await amqp.channel()
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):  # nothing declared
+        await channel.declare_queue(f"{prefix}.relay", passive=True)
+
+
 async def test_the_permissions_example_in_the_docs_is_what_the_command_prints() -> None:
     """docs/operations.md shows a `hopsched permissions` run; it must not drift from the
     command (a new-user trial found it without the cancel stream)."""

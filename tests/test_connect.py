@@ -209,3 +209,31 @@ async def test_a_connector_walks_the_url_list_past_a_node_that_refuses(
     with pytest.raises(hopsched.BrokerUnavailableError, match="no node answers") as caught:
         await only_dead.connect()
     assert "guest:guest" not in str(caught.value)
+
+
+async def test_a_scheduler_on_a_node_declares_there_not_on_a_silent_first_url(
+    silent_port: int, make_settings: Callable[..., hopsched.Settings]
+) -> None:
+    """Found by a new-user trial: the topology's own connection walked the URL list
+    from its start, so a first node cut off (silent) cost a 10 s time-out on every
+    start, although the scheduler itself was on another node."""
+    good = make_settings().url
+    settings = make_settings(url=f"amqp://guest:guest@127.0.0.1:{silent_port}/,{good}")
+
+    started = asyncio.get_running_loop().time()
+    async with hopsched.Scheduler(settings, first_url=1) as scheduler:
+        await scheduler.schedule(b"x", delay=3600, routing_key="nowhere")
+        assert scheduler.node is not None
+    assert asyncio.get_running_loop().time() - started < hopsched.connect.CONNECT_TIMEOUT_S / 2
+
+
+async def test_wait_consuming_raises_the_error_that_ended_the_relay() -> None:
+    """Found by a new-user trial: with a wrong password run() failed and
+    wait_consuming() waited for ever (the example hung)."""
+    relay = hopsched.Relay(hopsched.Settings(url=f"amqp://guest:{PASSWORD}@127.0.0.1:5672/"))
+    running = asyncio.create_task(relay.run())
+
+    with pytest.raises(hopsched.BrokerUnavailableError, match="login refused"):
+        await asyncio.wait_for(relay.wait_consuming(), 30)
+    with pytest.raises(hopsched.BrokerUnavailableError):
+        await running
