@@ -312,10 +312,15 @@ class _Session:
         self.held_by_id: dict[str, list[_Final]] = {}
         self._redeclaring: dict[str, asyncio.Future[None]] = {}
 
+    async def _declare(self, names: list[str] | None = None) -> None:
+        """Declare the topology (or ``names``) on the node this session is on, if it
+        answers."""
+        await declare_topology(self.settings, names, first=self.relay._connector.url)
+
     async def serve(self) -> None:
         """Consume until the relay stops (then drain) or the connection goes (raised)."""
         relay, topology = self.relay, self.topology
-        await declare_topology(self.settings, first=self.relay._connector.url)
+        await self._declare()
         lost_stream = await relay.cancel_reader.follow(
             self.connection, self.publisher, self._record_read
         )
@@ -360,7 +365,7 @@ class _Session:
             # topology again and consume anew; deliveries held so far stay ours to ack.
             log.warning("the broker cancelled the relay's consumer; declaring and consuming again")
             cancelled.clear()
-            await declare_topology(self.settings, first=self.relay._connector.url)
+            await self._declare()
             tag = await channel.consume(
                 topology.relay_queue, self._received, lambda _: cancelled.set()
             )
@@ -734,9 +739,7 @@ class _Session:
         pending = self._redeclaring.get(queue)
         if pending is None:
             log.warning("queue %s is missing; declaring it again", queue)
-            pending = asyncio.ensure_future(
-                declare_topology(self.settings, [queue], first=self.relay._connector.url)
-            )
+            pending = asyncio.ensure_future(self._declare([queue]))
             self._redeclaring[queue] = pending
             pending.add_done_callback(lambda _: self._redeclaring.pop(queue, None))
         pending.add_done_callback(lambda _: then())
