@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -227,17 +228,35 @@ async def get_all(
     return got
 
 
+#: A command prefix that runs ``rabbitmqctl`` against the broker at ``HOPSCHED_TEST_URL``
+#: (e.g. ``rabbitmqctl -n rmq4@localhost``, or one inside a chroot); default: the
+#: ``rabbitmqctl`` on PATH, which reaches the local node.
+RABBITMQCTL_VARIABLE = "HOPSCHED_TEST_RABBITMQCTL"
+
+
+def rabbitmqctl_command() -> list[str] | None:
+    """The command that runs ``rabbitmqctl`` against the test broker, or None."""
+    configured = os.environ.get(RABBITMQCTL_VARIABLE, "").strip()
+    if configured:
+        return shlex.split(configured)
+    path = shutil.which("rabbitmqctl")
+    return [path] if path is not None else None
+
+
 def rabbitmqctl_path() -> str | None:
-    return shutil.which("rabbitmqctl")
+    """The test broker's ``rabbitmqctl`` command as one string, or None if there is none."""
+    command = rabbitmqctl_command()
+    return shlex.join(command) if command is not None else None
 
 
 async def rabbitmqctl(*args: str, within: float = 60) -> str:
-    """Run ``rabbitmqctl args…`` against the shared broker and return its stdout; fail the
-    test on a non-zero exit. (A private node has ``PrivateBroker.rabbitmqctl``.)"""
-    path = rabbitmqctl_path()
-    assert path is not None
+    """Run ``rabbitmqctl args…`` against the test broker (``HOPSCHED_TEST_RABBITMQCTL``)
+    and return its stdout; fail the test on a non-zero exit. (A private node has
+    ``PrivateBroker.rabbitmqctl``.)"""
+    command = rabbitmqctl_command()
+    assert command is not None
     process = await asyncio.create_subprocess_exec(
-        path, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *command, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     try:
         async with asyncio.timeout(within):
