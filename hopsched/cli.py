@@ -23,6 +23,8 @@ from hopsched.errors import HopschedError, InvalidScheduleError
 from hopsched.logs import LogFormat, configure_logging
 from hopsched.nodes import RelayNodes, management_urls, relay_nodes
 from hopsched.parked import ParkedListing, list_parked, replay_parked
+from hopsched.policies import PROTECT_PRIORITY
+from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler, due_time_us
 from hopsched.settings import Settings
@@ -389,7 +391,9 @@ def status(
         return depths, await relay_nodes(settings, topology.relay_queue, urls)
 
     depths, nodes = cast(tuple[dict[str, QueueDepth | None], RelayNodes | None], _run(go()))
-    _show_status(settings, topology, depths, nodes, as_json)
+    checked = _check_policies(settings, management_url)
+    _show_status(settings, topology, depths, nodes, as_json, checked.as_json())
+    _policies_at_risk(checked, echo=not as_json)
     # the stream is declared on the first cancel: missing until then is normal
     missing = [name for name in topology.queues_but_stream() if depths.get(name) is None]
     if missing:
@@ -406,6 +410,7 @@ def _show_status(
     depths: dict[str, QueueDepth | None],
     nodes: RelayNodes | None,
     as_json: bool,
+    policies: dict[str, Any],
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
@@ -422,6 +427,7 @@ def _show_status(
         if nodes is not None:
             shown["nodes"] = {name: dataclasses.asdict(view) for name, view in nodes.nodes.items()}
             shown["nodes_unavailable"] = nodes.unavailable
+        shown["policies"] = policies
         click.echo(json.dumps(shown, indent=2))
         return
     click.echo(f"{settings.masked_url} prefix {settings.prefix}")
@@ -470,6 +476,8 @@ def teardown(url: str | None, prefix: str | None, queue_type: str | None, force:
         f"{settings.prefix} on {settings.masked_url}: {len(done.removed)} removed, "
         f"{len(done.missing)} did not exist"
     )
+    for name in _run(_unprotect_quietly(settings)):
+        click.echo(f"removed policy {name}")
 
 
 @main.command()
@@ -514,6 +522,132 @@ def permissions(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     grant = Topology.from_settings(settings).permissions(target_exchanges)
     click.echo(grant.command(user, settings.vhost if vhost is None else vhost))
+
+
+def _check_policies(settings: Settings, management_url: str | None) -> PolicyCheck:
+    if management_url:
+        settings = dataclasses.replace(settings, management_url=management_url)
+    checked: PolicyCheck = _run(check_policies(settings))
+    return checked
+
+
+def _policies_at_risk(checked: PolicyCheck, *, echo: bool) -> None:
+    """Print ``checked``; exit 1 (after the rest of the output) if a policy in force can
+    lose or stall messages."""
+    if echo:
+        for line in checked.lines():
+            click.echo(line)
+    report = checked.report
+    if report is not None and report.at_risk:
+        worst = report.findings[0]
+        raise click.ClickException(
+            f"{len(report.findings)} finding(s) on the policies in force: messages can be lost or "
+            f"stalled; the worst: {worst.line()}"
+        )
+
+
+async def _unprotect_quietly(settings: Settings) -> list[str]:
+    """Remove the protective policies after a teardown, if the API lets us."""
+    try:
+        return await unprotect(settings)
+    except HopschedError:
+        return []
+
+
+_MANAGEMENT_URL = click.option(
+    "--management-url",
+    help="Management API base URL(s), comma-separated [HOPSCHED_MANAGEMENT_URL; default "
+    "http://HOST:15672/ per URL].",
+)
+
+
+@main.group()
+def policies() -> None:
+    """The broker's policies on the prefix's queues: check them, keep user policies off.
+
+    \b
+    A user policy (rabbitmqctl set_policy) or an operator policy matching the prefix's
+    queues can delete them (expires), drop their messages (max-length, message-ttl on
+    the parking queue) or turn off at-least-once dead-lettering (overflow drop-head).
+    `protect` sets hopsched's own policies, of higher priority, that keep every other
+    user policy off them; an operator policy cannot be masked: `check` prints the
+    rabbitmqctl command that excludes the prefix from it (docs/operations.md, "Policies").
+    """
+
+
+@policies.command("check")
+@_connection_options
+@_MANAGEMENT_URL
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def policies_check(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    management_url: str | None,
+    as_json: bool,
+) -> None:
+    """What the policies in force do to the prefix's queues, each with its fix. Exits 1
+    if one can lose or stall messages, or if the management API cannot tell."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    checked = _check_policies(settings, management_url)
+    if as_json:
+        click.echo(json.dumps(checked.as_json(), indent=2))
+    if checked.report is None:
+        raise click.ClickException(f"cannot read the policies in force: {checked.unavailable}")
+    _policies_at_risk(checked, echo=not as_json)
+
+
+@policies.command("protect")
+@_connection_options
+@_MANAGEMENT_URL
+@click.option(
+    "--priority",
+    type=int,
+    default=PROTECT_PRIORITY,
+    show_default=True,
+    help="Priority of the protective policies: above every user policy matching the "
+    "prefix's queues.",
+)
+def policies_protect(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    management_url: str | None,
+    priority: int,
+) -> None:
+    """Set hopsched's protective policies on the prefix's queues (the user needs the tag
+    policymaker); without the right, print the rabbitmqctl commands and exit 1."""
+    settings = _settings(
+        url=url, prefix=prefix, queue_type=queue_type, management_url=management_url
+    )
+    done = _run(protect(settings, priority))
+    if done.error is not None:
+        click.echo("run these where you may set policies:")
+        for command in done.commands:
+            click.echo(f"  {command}")
+        raise click.ClickException(f"the protective policies were not set: {done.error}")
+    for policy in done.policies:
+        click.echo(
+            f"set policy {policy.name} (priority {policy.priority}) on {policy.pattern}: "
+            f"{json.dumps(dict(policy.definition))}"
+        )
+
+
+@policies.command("unprotect")
+@_connection_options
+@_MANAGEMENT_URL
+def policies_unprotect(
+    url: str | None, prefix: str | None, queue_type: str | None, management_url: str | None
+) -> None:
+    """Remove hopsched's protective policies from the prefix."""
+    settings = _settings(
+        url=url, prefix=prefix, queue_type=queue_type, management_url=management_url
+    )
+    removed = _run(unprotect(settings))
+    for name in removed:
+        click.echo(f"removed policy {name}")
+    if not removed:
+        click.echo(f"no protective policy on prefix {settings.prefix}")
 
 
 @main.group()

@@ -10,22 +10,15 @@ URLs are given; the first that answers serves, as every node reports the whole c
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote
 
-from hopsched.settings import Settings, mask_url
+from hopsched.errors import ManagementAPIError
+from hopsched.management import MANAGEMENT_PORT, ManagementClient, management_urls
+from hopsched.settings import Settings
 
 __all__ = ["MANAGEMENT_PORT", "NodeView", "RelayNodes", "management_urls", "relay_nodes"]
-
-#: The management plugin's default HTTP port.
-MANAGEMENT_PORT = 15672
-_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -59,60 +52,23 @@ class RelayNodes:
     source: str | None = None
 
 
-def management_urls(settings: Settings, given: str | None = None) -> list[str]:
-    """The management API base URLs to try: ``given`` (comma-separated) if set, else
-    ``http://HOST:15672/`` for each host of ``settings.urls``, in that order."""
-    if given:
-        return [part.strip() for part in given.split(",") if part.strip()]
-    hosts = dict.fromkeys(urlsplit(url).hostname or "localhost" for url in settings.urls)
-    return [f"http://{_host(host)}:{MANAGEMENT_PORT}/" for host in hosts]
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayNodes:
     """Ask the management API at each of ``urls`` in turn about quorum queue ``queue``.
 
     Logs in with the user and password of ``settings``' first URL. Never raises for an
     API that cannot be reached or refuses: ``RelayNodes.unavailable`` says why.
     """
-    problems = []
-    for url in urls:
-        try:
-            found = await asyncio.to_thread(_get_queue, settings, url, queue)
-        except (OSError, ValueError) as error:  # URLError and HTTPError are OSErrors
-            problems.append(f"{mask_url(url)}: {_why(error)}")
-            continue
-        return RelayNodes(nodes=_views(found), source=mask_url(url))
-    return RelayNodes(
-        unavailable=(
-            "per-node consumers need RabbitMQ's management plugin "
-            "(rabbitmq-plugins enable rabbitmq_management; or --management-url): "
-            + "; ".join(problems)
+    client = ManagementClient(settings, urls)
+    try:
+        found = await client.get(f"queues/{client.vhost}/{quote(queue, safe='')}")
+    except ManagementAPIError as error:
+        return RelayNodes(
+            unavailable=(
+                "per-node consumers need RabbitMQ's management plugin "
+                f"(rabbitmq-plugins enable rabbitmq_management; or --management-url): {error}"
+            )
         )
-    )
-
-
-def _get_queue(settings: Settings, base: str, queue: str) -> dict[str, Any]:
-    parts = urlsplit(settings.urls[0])
-    user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
-    vhost = quote(settings.vhost, safe="")
-    request = urllib.request.Request(f"{base.rstrip('/')}/api/queues/{vhost}/{quote(queue)}")
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
-        found: dict[str, Any] = json.load(response)
-    return found
-
-
-def _why(error: BaseException) -> str:
-    if isinstance(error, urllib.error.HTTPError):
-        return f"HTTP {error.code} {error.reason}"
-    if isinstance(error, urllib.error.URLError):
-        return str(error.reason)
-    return str(error) or type(error).__name__
+    return RelayNodes(nodes=_views(found), source=client.source)
 
 
 def _views(found: dict[str, Any]) -> dict[str, NodeView]:

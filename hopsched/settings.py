@@ -138,6 +138,11 @@ class Settings:
             HTTP; see docs/operations.md, "Metrics"); 0 (the default): no endpoint.
         metrics_address: the address it listens on: ``127.0.0.1`` (the default, this
             machine only) or e.g. ``0.0.0.0`` / ``::`` for every interface.
+        management_url: base URL(s) of RabbitMQ's management HTTP API, comma-separated
+            (``http://rabbit:15672/``), which tells the relay, ``status`` and the
+            Scheduler the policies in force (``hopsched.policy_watch``); empty (the
+            default): ``http://HOST:15672/`` for each node URL's host. The login is the
+            AMQP URL's.
 
     Raises:
         InvalidSettingsError: a value is out of range; the message says which and why.
@@ -158,6 +163,7 @@ class Settings:
     allowed_targets: tuple[str, ...] = ()
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
+    management_url: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _join_urls(self.url))
@@ -201,6 +207,11 @@ class Settings:
             )
         if not self.metrics_address.strip():
             raise InvalidSettingsError("metrics_address '': give an address, e.g. 127.0.0.1")
+        for base in filter(None, (part.strip() for part in self.management_url.split(","))):
+            if not base.startswith(("http://", "https://")):
+                raise InvalidSettingsError(
+                    f"management_url {mask_url(base)!r}: must start with http:// or https://"
+                )
         self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
         if isinstance(self.allowed_targets, str):  # one pattern is not its characters
             raise InvalidSettingsError(
@@ -211,7 +222,7 @@ class Settings:
 
     def __repr__(self) -> str:
         values = ", ".join(
-            f"{f.name}={self.masked_url if f.name == 'url' else getattr(self, f.name)!r}"
+            f"{f.name}={self.masked_url if f.name == 'url' else _masked(getattr(self, f.name))!r}"
             for f in fields(self)
         )
         return f"Settings({values})"
@@ -282,6 +293,10 @@ class Settings:
                 ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _masked(value: object) -> object:
+    return mask_url(value) if isinstance(value, str) and "://" in value else value
 
 
 def _join_urls(url: object) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "StatsSnapshot",
 ]
 
+_RISKS = ("loss", "stall", "hops")  # hopsched.policies.Risk, without importing it
 _HIGHEST_US = 7 * 24 * 3600 * 1_000_000  # a week; larger values are clamped to it
 
 #: A message reaching the relay more than this after its due time (µs) was overdue on
@@ -163,6 +164,12 @@ class RelayStats:
         reconnects: connections opened after the first.
         hop_nacks: hops the broker nacked (a quorum leader election, a node down) and
             the relay tried again after a back-off.
+        returned_early: hops a step returned early enough to come straight back if
+            hopped again (``hopsched.decide.returned_early``), which waited instead.
+        policy_risks: findings of the policies in force, per ``hopsched.policies.Risk``
+            value (``loss``, ``stall``, ``hops``), now (set by ``PolicyWatch``).
+        policy_unchecked: 1 while the relay cannot read the policies in force (no
+            management API), else 0.
         lateness: final publish confirmed - due time, µs, for messages on time.
         overshoot: arrival of a hop - the instant its step's TTL ran out, µs (hops
             stamped by a relay only).
@@ -184,6 +191,9 @@ class RelayStats:
     records: int = 0
     reconnects: int = 0
     hop_nacks: int = 0
+    returned_early: int = 0
+    policy_risks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_RISKS, 0))
+    policy_unchecked: int = 0
     parked_by_kind: dict[ParkKind, int] = field(default_factory=lambda: dict.fromkeys(ParkKind, 0))
     lateness: LatenessStats = field(default_factory=LatenessStats)
     overshoot: LatenessStats = field(default_factory=LatenessStats)
@@ -226,6 +236,9 @@ class RelayStats:
         self.parked += 1
         self._interval.parked += 1
         self.parked_by_kind[kind] += 1
+
+    def record_returned_early(self) -> None:
+        self.returned_early += 1
 
     def record_cancelled(self) -> None:
         self.cancelled += 1
@@ -270,7 +283,7 @@ class RelayStats:
             f"lateness {now.lateness.summary()}, hop overshoot {now.overshoot.summary()}; "
             f"since start: delivered={totals.delivered} hops={totals.hops} "
             f"parked={totals.parked} reconnects={totals.reconnects} "
-            f"hop_nacks={totals.hop_nacks}"
+            f"hop_nacks={totals.hop_nacks} returned_early={totals.returned_early}"
         ]
         lines += [
             f"{count} messages for {target}: {problem}"
@@ -295,12 +308,15 @@ class RelayStats:
                 "rejected": self.rejected,
                 "cancel_records": self.records,
                 "reconnects": self.reconnects,
+                "returned_early": self.returned_early,
             },
             parked_by_kind=dict(self.parked_by_kind),
             lateness=(self.lateness_buckets.cumulative(), self.lateness_buckets.sum_us),
             overshoot=(self.overshoot_buckets.cumulative(), self.overshoot_buckets.sum_us),
             held=self.held_now(),
             in_flight=self.in_flight_now(),
+            policy_risks=dict(self.policy_risks),
+            policy_unchecked=self.policy_unchecked,
         )
 
 
@@ -311,11 +327,12 @@ class StatsSnapshot:
     Attributes:
         counters: name -> count since the relay started (``delivered``, ``overdue``,
             ``hops``, ``retries``, ``cancelled``, ``rejected``, ``cancel_records``,
-            ``reconnects``; see ``RelayStats``).
+            ``reconnects``, ``returned_early``; see ``RelayStats``).
         parked_by_kind: messages parked per ``ParkKind``, every kind present.
         lateness, overshoot: cumulative counts per ``BUCKET_BOUNDS_US`` bound then the
             total (``Buckets.cumulative``), and the sum of the values, µs.
         held, in_flight: messages held until due, and publishes awaiting their confirm.
+        policy_risks, policy_unchecked: as ``RelayStats``'s.
     """
 
     counters: Mapping[str, int]
@@ -324,3 +341,5 @@ class StatsSnapshot:
     overshoot: tuple[list[int], int]
     held: int
     in_flight: int
+    policy_risks: Mapping[str, int] = field(default_factory=dict)
+    policy_unchecked: int = 0
