@@ -64,9 +64,12 @@ __all__ = [
     "PolicyReport",
     "QueueView",
     "Risk",
+    "applying",
     "assess",
+    "excluding",
     "protective_policies",
     "protective_policy_names",
+    "set_policy_command",
     "touch_interval_ms",
 ]
 
@@ -296,7 +299,7 @@ def excluding(policy: PolicyDefinition, topology: Topology) -> PolicyDefinition:
 def assess(
     topology: Topology,
     queues: Mapping[str, QueueView | None],
-    policies: Sequence[PolicyDefinition] = (),
+    policies: Sequence[PolicyDefinition] | None = None,
     *,
     version: str = "",
     vhost: str = "/",
@@ -305,15 +308,22 @@ def assess(
 
     Args:
         queues: each queue of the prefix by name, None if it does not exist.
-        policies: the vhost's user and operator policies (for attributing a key, the fix
-            and ``masked``); without them each key is put down to the policy the queue
-            names.
+        policies: the vhost's user and operator policies. Given, each queue's policies
+            are worked out from them as the broker does (``applying``): at once, while
+            the management API reports a new policy on a queue only with its next
+            statistics, 5 to 10 s later, by when an ``expires`` may have deleted it. None:
+            what the API reports per queue (``QueueView.effective``).
         version: the broker's version, e.g. ``"3.10.8"`` (``GET /api/overview``).
         vhost: the vhost, for the commands in the fixes.
     """
-    by_name = {(p.operator, p.name): p for p in policies}
+    by_name = {(p.operator, p.name): p for p in policies or ()}
     protect = protective_policy_names(topology)
     four = _version(version) >= (4, 0)
+    if policies is not None:
+        queues = {
+            name: None if view is None else applying(view, policies, version)
+            for name, view in queues.items()
+        }
     found: dict[tuple[Risk, str, str, bool, str], list[str]] = {}
     values: dict[tuple[Risk, str, str, bool, str], Any] = {}
     pending, missing, expires = [], [], {}
@@ -356,7 +366,7 @@ def assess(
     return PolicyReport(
         findings=tuple(findings),
         protected=protected and not missing,
-        masked=_masked(topology, queues, policies),
+        masked=_masked(topology, queues, policies or (), version),
         pending=tuple(pending),
         missing=tuple(missing),
         expires_ms=expires,
@@ -528,7 +538,7 @@ def _ttl_effects(kind: str, step_ms: int, ttl: int, topology: Topology) -> list[
 def _limit_effect(
     kind: str, qtype: str, key: str, limit: int, overflow: Any, topology: Topology
 ) -> _Effect:
-    unit = " bytes" if key == "max-length-bytes" else " messages"
+    unit = " bytes" if key == "max-length-bytes" else " message(s)"
     full = f"once it holds {limit}{unit}"
     refuses = overflow in ("reject-publish", "reject-publish-dlx")
     if kind == "step":
@@ -678,20 +688,134 @@ def _masked(
     topology: Topology,
     queues: Mapping[str, QueueView | None],
     policies: Iterable[PolicyDefinition],
+    version: str,
 ) -> tuple[str, ...]:
-    """User policies whose pattern matches some of the prefix's queues but that do not
-    apply to them (the protective policies win), as ``name (keys)``."""
-    applied = {view.policy for view in queues.values() if view is not None}
+    """User policies that would apply to some of the prefix's queues but do not because
+    a protective policy does, as ``name (keys)``."""
+    protect = protective_policy_names(topology)
     masked = []
     for policy in policies:
-        if policy.operator or policy.name in applied or policy.apply_to == "exchanges":
+        if policy.operator or policy.name in protect:
             continue
-        if policy.name in protective_policy_names(topology):
-            continue
-        matches = _matcher(policy.pattern)
-        if any(matches(name) for name in queues):
+        if any(
+            view is not None
+            and view.policy in protect
+            and _applies(policy, view.name, view.type, _version(version))
+            for view in queues.values()
+        ):
             masked.append(f"{policy.name} ({', '.join(sorted(policy.definition))})")
     return tuple(masked)
+
+
+# Policy keys each queue type does not support: a policy holding one does not apply to a
+# queue of that type at all (``unsupported_policies`` of rabbit_quorum_queue,
+# rabbit_classic_queue, rabbit_stream_queue; RabbitMQ 3.10.8 and 4.0.5).
+_MIRRORING = frozenset(
+    {"ha-mode", "ha-params", "ha-sync-mode", "ha-promote-on-shutdown", "ha-promote-on-failure"}
+)
+_STREAM_KEYS = frozenset({"max-age", "stream-max-segment-size-bytes", "initial-cluster-size"})
+_UNSUPPORTED: dict[str, frozenset[str]] = {
+    "quorum": _STREAM_KEYS
+    | _MIRRORING
+    | {"max-priority", "queue-mode", "single-active-consumer", "queue-master-locator"},
+    "classic": _STREAM_KEYS | {"delivery-limit", "dead-letter-strategy"},
+    "stream": _MIRRORING
+    | {
+        "expires",
+        "message-ttl",
+        "dead-letter-exchange",
+        "dead-letter-routing-key",
+        "max-length",
+        "max-in-memory-length",
+        "max-in-memory-bytes",
+        "max-priority",
+        "overflow",
+        "queue-mode",
+        "single-active-consumer",
+        "delivery-limit",
+        "queue-master-locator",
+        "dead-letter-strategy",
+    },
+}
+# ... and what 4.x changed: classic queues took queue-leader-locator, dropped the
+# in-memory limits; the target-group-size key is quorum-only.
+_UNSUPPORTED_BEFORE_4 = {"classic": frozenset({"queue-leader-locator"})}
+_UNSUPPORTED_FROM_4 = {
+    "classic": frozenset({"max-in-memory-length", "max-in-memory-bytes", "target-group-size"}),
+    "stream": frozenset({"target-group-size"}),
+}
+_APPLY_TO_TYPE = {"classic": "classic_queues", "quorum": "quorum_queues", "stream": "streams"}
+# Merged as the lower of a user and an operator policy's values
+# (``rabbit_policies:merge_policy_value``); for other keys the operator's value wins.
+_LOWER_WINS = frozenset(
+    {
+        "expires",
+        "message-ttl",
+        "max-length",
+        "max-length-bytes",
+        "max-in-memory-length",
+        "max-in-memory-bytes",
+        "delivery-limit",
+    }
+)
+
+
+def _applies(policy: PolicyDefinition, name: str, qtype: str, version: tuple[int, ...]) -> bool:
+    """Whether the broker would consider ``policy`` for queue ``name`` of type ``qtype``
+    (``rabbit_policy:matches``: apply-to, every key supported, the pattern)."""
+    if policy.apply_to not in ("queues", "all", _APPLY_TO_TYPE.get(qtype)):
+        return False
+    extra = (_UNSUPPORTED_FROM_4 if version >= (4, 0) else _UNSUPPORTED_BEFORE_4).get(qtype)
+    unsupported = _UNSUPPORTED.get(qtype, frozenset()) | (extra or frozenset())
+    if unsupported & set(policy.definition):
+        return False
+    return _matcher(policy.pattern)(name)
+
+
+def applying(view: QueueView, policies: Sequence[PolicyDefinition], version: str = "") -> QueueView:
+    """``view`` with the user and operator policy the broker applies to it, and their
+    merged definition, worked out from ``policies`` (``rabbit_policy:match`` and
+    ``merge_operator_definitions``). Of several matching policies of one kind the one
+    with the highest priority applies; where two share it RabbitMQ does not say which,
+    and this takes the one the management API reports, else the first by name."""
+    numbers = _version(version)
+    chosen: dict[bool, PolicyDefinition | None] = {}
+    for operator in (False, True):
+        reported = view.operator_policy if operator else view.policy
+        candidates = [
+            p
+            for p in policies
+            if p.operator == operator and _applies(p, view.name, view.type, numbers)
+        ]
+        if not candidates:
+            chosen[operator] = None
+            continue
+        top = max(p.priority for p in candidates)
+        tied = sorted((p for p in candidates if p.priority == top), key=lambda p: p.name)
+        chosen[operator] = next((p for p in tied if p.name == reported), tied[0])
+    user, operator_policy = chosen[False], chosen[True]
+    merged = dict(user.definition) if user is not None else {}
+    for key, value in (operator_policy.definition if operator_policy is not None else {}).items():
+        if key in merged and key in _LOWER_WINS:
+            merged[key] = _lower(key, merged[key], value, numbers >= (4, 0))
+        else:
+            merged[key] = value
+    return QueueView(
+        view.name,
+        view.type,
+        view.arguments,
+        user.name if user is not None else None,
+        operator_policy.name if operator_policy is not None else None,
+        merged,
+    )
+
+
+def _lower(key: str, value: Any, operator_value: Any, four: bool) -> Any:
+    """A user and an operator policy's values merged: the lower; from 4.0 a negative
+    (unlimited) delivery-limit loses to a limit."""
+    if key == "delivery-limit" and four and min(value, operator_value) < 0:
+        return max(value, operator_value)
+    return min(value, operator_value)
 
 
 def _matcher(pattern: str) -> Callable[[str], bool]:

@@ -26,6 +26,7 @@ from hopsched.policies import (
     PolicyReport,
     QueueView,
     Risk,
+    applying,
     assess,
     excluding,
     protective_policies,
@@ -85,6 +86,15 @@ def applied(
             merged,
         )
     return views
+
+
+def declared(topology: Topology) -> dict[str, QueueView | None]:
+    """Every queue of ``topology`` as the management API lists it before it reports
+    policies: name, type and arguments."""
+    return {
+        name: QueueView(name, arguments["x-queue-type"], arguments, None, None, None)
+        for name, arguments in topology.queues().items()
+    }
 
 
 def summary(report: PolicyReport) -> set[tuple[str, str, int]]:
@@ -171,10 +181,15 @@ def roles(finding: Finding, topology: Topology = QUORUM) -> set[str]:
         (QUORUM, {"stream-max-segment-size-bytes": 1000}, set()),
     ],
 )
+@pytest.mark.parametrize("source", ["reported", "worked out"])
 def test_what_a_user_policy_on_every_queue_does(
-    topology: Topology, definition: dict[str, Any], expected: set[tuple[str, str, int]]
+    topology: Topology, definition: dict[str, Any], expected: set[tuple[str, str, int]], source: str
 ) -> None:
-    report = assess(topology, applied(topology, definition), version="3.10.8")
+    if source == "reported":  # what the management API says of each queue
+        report = assess(topology, applied(topology, definition), version="3.10.8")
+    else:  # from the vhost's policies, as the broker matches them
+        blanket = PolicyDefinition("blanket", ".*", "queues", 0, definition)
+        report = assess(topology, declared(topology), [blanket], version="3.10.8")
 
     assert summary(report) == expected
     assert report.at_risk == any(risk in ("loss", "stall") for risk, _, _ in expected)
@@ -321,6 +336,85 @@ def test_a_user_policy_above_the_protection_is_fixed_by_a_higher_priority() -> N
         "hopsched policies protect --prefix p --priority 5001" in f.fix for f in report.findings
     )
     assert not report.protected
+
+
+@pytest.mark.parametrize(
+    ("policies", "applies"),
+    [
+        # the highest priority wins, whatever the order
+        ([("low", 0, {"expires": 1}), ("high", 5, {"max-length": 1})], "high"),
+        ([("high", 5, {"max-length": 1}), ("low", 0, {"expires": 1})], "high"),
+        # one with a key quorum queues do not support does not apply to them at all
+        ([("low", 0, {"expires": 1}), ("high", 5, {"queue-mode": "lazy"})], "low"),
+        # a tie: the first by name (RabbitMQ does not say)
+        ([("b", 1, {"expires": 1}), ("a", 1, {"max-length": 1})], "a"),
+    ],
+)
+def test_one_user_policy_applies_to_a_queue(
+    policies: list[tuple[str, int, dict[str, Any]]], applies: str
+) -> None:
+    listed = [PolicyDefinition(name, ".*", "queues", prio, d) for name, prio, d in policies]
+    view = declared(QUORUM)[QUORUM.relay_queue]
+    assert view is not None
+
+    assert applying(view, listed).policy == applies
+
+
+@pytest.mark.parametrize(
+    ("apply_to", "version", "applies"),
+    [
+        ("queues", "3.10.8", True),
+        ("all", "3.10.8", True),
+        ("exchanges", "3.10.8", False),
+        ("quorum_queues", "4.0.5", True),
+        ("classic_queues", "4.0.5", False),
+        ("streams", "4.0.5", False),
+    ],
+)
+def test_apply_to_decides_which_queues_a_policy_may_apply_to(
+    apply_to: str, version: str, applies: bool
+) -> None:
+    policy = PolicyDefinition("p", ".*", apply_to, 0, {"expires": 1})
+    view = declared(QUORUM)[QUORUM.relay_queue]
+    assert view is not None
+
+    assert (applying(view, [policy], version).policy == "p") == applies
+
+
+@pytest.mark.parametrize(
+    ("user", "operator", "version", "merged"),
+    [
+        ({"expires": 9000}, {"expires": 8000}, "3.10.8", {"expires": 8000}),
+        ({"expires": 7000}, {"expires": 8000}, "3.10.8", {"expires": 7000}),
+        (
+            {"overflow": "reject-publish"},
+            {"overflow": "drop-head"},
+            "4.0.5",
+            {"overflow": "drop-head"},
+        ),
+        ({"delivery-limit": -1}, {"delivery-limit": 50}, "4.0.5", {"delivery-limit": 50}),
+        ({"delivery-limit": -1}, {"delivery-limit": 50}, "3.10.8", {"delivery-limit": -1}),
+        (
+            {"overflow": "reject-publish"},
+            {"max-length": 5},
+            "3.10.8",
+            {"overflow": "reject-publish", "max-length": 5},
+        ),
+    ],
+)
+def test_a_user_and_an_operator_policy_merge_as_the_broker_merges_them(
+    user: dict[str, Any], operator: dict[str, Any], version: str, merged: dict[str, Any]
+) -> None:
+    policies = [
+        PolicyDefinition("user", ".*", "queues", 0, user),
+        PolicyDefinition("op", ".*", "queues", 0, operator, operator=True),
+    ]
+    view = declared(QUORUM)[QUORUM.relay_queue]
+    assert view is not None
+
+    found = applying(view, policies, version)
+
+    assert (found.policy, found.operator_policy, found.effective) == ("user", "op", merged)
 
 
 def test_queues_not_reported_yet_or_missing_are_listed() -> None:
