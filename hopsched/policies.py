@@ -535,60 +535,61 @@ def _ttl_effects(kind: str, step_ms: int, ttl: int, topology: Topology) -> list[
     return [(Risk.LOSS, "message-ttl", f"parked messages are dropped after {_ms(ttl)}")]
 
 
+_REFUSES = (
+    "it refuses publishes {full}: schedule() raises PublishRejectedError and the relay "
+    "parks its hops after a back-off"
+)
+_DROPS_PARKED = "it drops its oldest parked message {full}"
+# What a length limit does once reached, by (queue, a quorum queue?, refuses publishes?):
+# the risk and the broker's doing.
+_LIMIT_EFFECTS: dict[tuple[str, bool, bool], tuple[Risk, str]] = {
+    ("step", True, True): (Risk.STALL, _REFUSES),
+    ("step", False, True): (Risk.STALL, _REFUSES),
+    ("step", True, False): (
+        Risk.LOSS,
+        "it pushes its oldest message out early {full}, and dead-letters at-most-once (the "
+        "broker logs 'Falling back to dead-letter-strategy at-most-once')",
+    ),
+    ("step", False, False): (
+        Risk.STALL,
+        "it pushes its oldest message out early {full}: the relay holds such messages in "
+        "memory and parks what it cannot hold",
+    ),
+    ("relay", True, True): (
+        Risk.STALL,
+        "it refuses dead-lettered hops {full}: they wait in their step queue and come late",
+    ),
+    ("relay", False, True): (Risk.LOSS, "the steps' at-most-once dead-lettering drops hops {full}"),
+    ("relay", True, False): (
+        Risk.LOSS,
+        "it dead-letters its oldest message to {parked} {full} at-most-once",
+    ),
+    ("relay", False, False): (Risk.STALL, "it dead-letters its oldest message to {parked} {full}"),
+    ("parked", True, True): (
+        Risk.STALL,
+        "it refuses parking {full}: such messages wait in {relay} until there is room",
+    ),
+    ("parked", False, True): (Risk.LOSS, "parking is refused {full} and the message dropped"),
+    ("parked", True, False): (Risk.LOSS, _DROPS_PARKED),
+    ("parked", False, False): (Risk.LOSS, _DROPS_PARKED),
+}
+
+
 def _limit_effect(
     kind: str, qtype: str, key: str, limit: int, overflow: Any, topology: Topology
 ) -> _Effect:
     unit = " bytes" if key == "max-length-bytes" else " message(s)"
-    full = f"once it holds {limit}{unit}"
     refuses = overflow in ("reject-publish", "reject-publish-dlx")
-    if kind == "step":
-        if refuses:
-            return (
-                Risk.STALL,
-                key,
-                f"it refuses publishes {full}: schedule() raises PublishRejectedError and "
-                "the relay parks its hops after a back-off",
-            )
-        if qtype == "quorum":
-            return (
-                Risk.LOSS,
-                key,
-                f"it pushes its oldest message out early {full}, and dead-letters "
-                "at-most-once (the broker logs 'Falling back to dead-letter-strategy "
-                "at-most-once')",
-            )
-        return (
-            Risk.STALL,
-            key,
-            f"it pushes its oldest message out early {full}: the relay holds such "
-            "messages in memory and parks what it cannot hold",
-        )
-    if kind == "relay":
-        if refuses and qtype == "quorum":
-            return (
-                Risk.STALL,
-                key,
-                f"it refuses dead-lettered hops {full}: they wait in their step queue "
-                "and come late",
-            )
-        if refuses:
-            return (Risk.LOSS, key, f"the steps' at-most-once dead-lettering drops hops {full}")
-        return (
-            Risk.LOSS if qtype == "quorum" else Risk.STALL,
-            key,
-            f"it dead-letters its oldest message to {topology.parked_queue} {full}"
-            + (" at-most-once" if qtype == "quorum" else ""),
-        )
-    if refuses and qtype == "quorum":
-        return (
-            Risk.STALL,
-            key,
-            f"it refuses parking {full}: such messages wait in {topology.relay_queue} "
-            "until there is room",
-        )
-    if refuses:
-        return (Risk.LOSS, key, f"parking is refused {full} and the message dropped")
-    return (Risk.LOSS, key, f"it drops its oldest parked message {full}")
+    risk, effect = _LIMIT_EFFECTS[(kind, qtype == "quorum", refuses)]
+    return (
+        risk,
+        key,
+        effect.format(
+            full=f"once it holds {limit}{unit}",
+            parked=topology.parked_queue,
+            relay=topology.relay_queue,
+        ),
+    )
 
 
 def _stream_effects(effective: Mapping[str, Any]) -> list[_Effect]:
