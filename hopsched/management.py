@@ -80,6 +80,7 @@ class ManagementClient:
         self._token = base64.b64encode(f"{user}:{password}".encode()).decode()
         self._amqp_ports = {urlsplit(url).port or _default_port(url) for url in settings.urls}
         self._checked: set[str] = set()  # base URLs confirmed to serve this broker
+        self._version: str | None = None
         self.source: str | None = None
 
     @property
@@ -95,6 +96,17 @@ class ManagementClient:
                 HTTP status (None if none answered), the message names each URL tried.
         """
         return await self._call("GET", path)
+
+    async def broker_version(self) -> str:
+        """The broker's RabbitMQ version, e.g. ``"3.10.8"`` (asked once).
+
+        Raises:
+            ManagementAPIError: as ``get``.
+        """
+        if self._version is None:
+            overview = await self.get("overview?columns=rabbitmq_version")
+            self._version = str(overview.get("rabbitmq_version", ""))
+        return self._version
 
     async def put(self, path: str, body: Any) -> None:
         """``PUT /api/{path}`` with ``body`` as JSON.

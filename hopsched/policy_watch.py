@@ -118,13 +118,8 @@ async def read_report(settings: Settings, client: ManagementClient | None = None
     except ManagementAPIError as error:
         log.debug("policies not listed (%s): using what each queue reports", error)
         policies = None
-    overview = await client.get("overview?columns=rabbitmq_version")
     return assess(
-        topology,
-        views,
-        policies,
-        version=str(overview.get("rabbitmq_version", "")),
-        vhost=settings.vhost,
+        topology, views, policies, version=await client.broker_version(), vhost=settings.vhost
     )
 
 
@@ -288,12 +283,17 @@ class PolicyWatch:
         self._told_unprotected = False
 
     async def run(self) -> None:
-        """Watch until cancelled."""
+        """Watch until cancelled; never raises otherwise (a failed round is logged and
+        the next one comes after the interval)."""
         try:
             while True:
-                await self.check()
                 deadline = self._clock() + self._interval_s
-                await self._keep_in_use_until(deadline)
+                try:
+                    await self.check()
+                    await self._keep_in_use_until(deadline)
+                except Exception:  # a bug must not end the watch unseen
+                    log.exception("the policy watch failed; trying again")
+                    await asyncio.sleep(max(deadline - self._clock(), 0.1))
         finally:
             await self._close()
 

@@ -22,6 +22,7 @@ import hopsched
 from hopsched.errors import ManagementAPIError
 from hopsched.localbroker import free_port
 from hopsched.management import ManagementClient, management_urls
+from hopsched.policy_watch import PolicyWatch
 
 CLOSED = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
 
@@ -161,3 +162,71 @@ def test_a_management_url_must_be_http() -> None:
         hopsched.Settings(management_url="ftp://x/")
     shown = repr(hopsched.Settings(management_url="http://admin:hunter2@m:15672/"))
     assert "hunter2" not in shown
+
+
+def _api_for(
+    topology: hopsched.Topology, policies: list[dict[str, Any]]
+) -> dict[str, tuple[int, Any]]:
+    """A management API's answers for ``topology``'s queues and ``policies``."""
+    items = [
+        {"name": name, "type": arguments["x-queue-type"], "arguments": arguments}
+        for name, arguments in topology.queues().items()
+    ]
+    return {
+        "/api/queues/%2F": (200, {"items": items, "page_count": 1}),
+        "/api/policies/%2F": (200, policies),
+        "/api/operator-policies/%2F": (200, []),
+        "/api/overview": (200, {"rabbitmq_version": "3.10.8"}),
+    }
+
+
+async def test_the_watch_says_a_risk_at_once_again_each_interval_and_when_it_is_gone(
+    fake_api: tuple[str, type[_Fake]], caplog: pytest.LogCaptureFixture
+) -> None:
+    address, handler = fake_api
+    settings = hopsched.Settings(prefix="w", management_url=f"http://{address}/", log_interval_s=60)
+    topology = hopsched.Topology.from_settings(settings)
+    blanket = {"name": "hygiene", "pattern": ".*", "apply-to": "queues", "priority": 0}
+    handler.answers.update(
+        _api_for(topology, [{**blanket, "definition": {"max-length": 1, "overflow": "drop-head"}}])
+    )
+    now = [0.0]
+    stats = hopsched.RelayStats()
+    watch = PolicyWatch(settings, stats, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="hopsched.policies")
+
+    def said() -> list[tuple[int, str]]:
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+        caplog.clear()
+        return lines
+
+    await watch.check()
+    first = said()
+    assert [level for level, _ in first] == [logging.ERROR] * 3  # steps, relay, parked
+    assert all(
+        line.startswith("loss possible: policy 'hygiene' sets max-length=1") for _, line in first
+    )
+    assert stats.policy_risks == {"loss": 3, "stall": 0, "hops": 0}
+
+    now[0] = 59.0
+    await watch.check()
+    assert said() == []  # said once per log interval
+    now[0] = 60.0
+    await watch.check()
+    assert said() == first  # ... and again while it stands
+
+    handler.answers["/api/policies/%2F"] = (
+        200,
+        [{**blanket, "definition": {"queue-mode": "lazy"}}],
+    )
+    await watch.check()
+    gone = said()
+    assert [level for level, _ in gone] == [logging.INFO] * 4
+    assert all(
+        line.startswith("no longer in force: loss possible: policy 'hygiene'")
+        for _, line in gone[:3]
+    )
+    assert gone[3][1].startswith("prefix w's queues are not protected from user policies")
+    assert stats.policy_risks == {"loss": 0, "stall": 0, "hops": 0}
+    assert watch.report is not None
+    assert watch.report.expires_ms == {}
