@@ -148,13 +148,22 @@ async def relay_hops(
     *,
     relay_args: tuple[str, ...] = (),
     stamped: bool = False,
+    signing_key: str | None = None,
 ) -> dict[str, Any]:
     """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start ``relays`` relay
     processes on it (competing consumers of the one relay queue; ``relay_args``: more
     relay options), and time them until every envelope sits in the step queue it hops
     to (exactly one hop each). ``stamped``: the envelopes carry a relay's hop stamp, so
-    the relay measures each one's overshoot too, as it does for hops it made."""
-    settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch)
+    the relay measures each one's overshoot too, as it does for hops it made.
+    ``signing_key`` (``KEY-ID:SECRET``): the envelopes are signed with it, and the relay
+    holds it and requires signatures (``HOPSCHED_SIGNING_KEYS``,
+    ``HOPSCHED_REQUIRE_SIGNATURES``)."""
+    keys = () if signing_key is None else (signing_key,)
+    settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch, signing_keys=keys)
+    relay_env = dict(os.environ)
+    if signing_key is not None:
+        relay_env |= {"HOPSCHED_SIGNING_KEYS": signing_key, "HOPSCHED_REQUIRE_SIGNATURES": "1"}
+    body = b"x" * 64
     topology = hopsched.Topology.from_settings(settings)
     due_us = now_us() + 3600 * 1_000_000
     step = settings.ladder.plan(now_us=now_us(), due_us=due_us)
@@ -169,14 +178,15 @@ async def relay_hops(
         channel = await connection.channel(publisher_confirms=True)
 
         def envelope(index: int) -> aio_pika.Message:
-            headers = hopsched.Envelope(
-                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=f"{prefix}.x"
-            ).to_headers()
+            unsigned = hopsched.Envelope(
+                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=f"{prefix}-x"
+            )
+            headers = settings.signatures.sign_envelope(unsigned, body).to_headers()
             if stamped:  # the TTL of a hop ran out 2 ms ago
                 headers[HEADER_HOP_EXPIRES] = now_us() - 2_000
                 headers[HEADER_HOP_CLOCK] = RELAY_CLOCK
             return aio_pika.Message(
-                b"x" * 64, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+                body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             )
 
         await _fill(channel, topology.relay_queue, count, envelope, progress, label)
@@ -184,6 +194,7 @@ async def relay_hops(
             relay = await asyncio.create_subprocess_exec(
                 *relay_command(url, prefix, prefetch, "quorum", *relay_args),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                env=relay_env,
             )  # fmt: skip
             processes.append(relay)
             samplers.append(ProcessSampler(relay.pid, interval_s=0.2))
@@ -260,7 +271,7 @@ async def _schedule_bulk(
         return {"how": how, "available": False, "reason": "not in this hopsched"}
     settings = hopsched.Settings(url=url, prefix=prefix)
     topology = hopsched.Topology.from_settings(settings)
-    body, delay, target = b"x" * 64, timedelta(hours=1), f"{prefix}.target"
+    body, delay, target = b"x" * 64, timedelta(hours=1), f"{prefix}-target"
     try:
         async with hopsched.Scheduler(settings) as scheduler:
             cpu_before, started = time.process_time(), time.monotonic()

@@ -249,6 +249,7 @@ class Scheduler:
         self._ladder = self.settings.ladder
         self._clock = clock
         self._targets = self.settings.target_policy
+        self._signatures = self.settings.signatures
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
@@ -349,7 +350,8 @@ class Scheduler:
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
                 both/neither of at/delay, a routing key or exchange longer than 255
-                bytes, a target ``Settings.allowed_targets`` does not allow, a header or
+                bytes, a target ``Settings.allowed_targets`` does not allow or one of
+                hopsched's own objects (exchange or queue ``{prefix}.…``), a header or
                 ``expiration`` AMQP or RabbitMQ cannot carry, headers too large for one
                 frame, a ``user_id`` other than the login.
             BrokerUnavailableError: no broker answers; ``BrokerConnectionLost`` (a
@@ -407,6 +409,10 @@ class Scheduler:
     async def cancel(self, schedule: str | Scheduled, *, due: datetime | None = None) -> Cancelled:
         """Cancel a schedule: its messages scheduled before now are not delivered.
 
+        With ``Settings.signing_keys`` the cancel is signed with each key and reaches the
+        messages signed with one of them; without, the unsigned ones only (where the
+        relays hold keys; docs/security.md).
+
         Args:
             schedule: the schedule id, or what ``schedule()`` returned (which gives the
                 due time too).
@@ -453,7 +459,8 @@ class Scheduler:
         delay: timedelta | float | None = None,
     ) -> Scheduled:
         """Move a schedule's messages (those scheduled before now) to a new due time,
-        without sending them again.
+        without sending them again (signed as ``cancel()`` is, and reaching the same
+        messages).
 
         A later time holds in every case. An earlier one takes effect at the message's
         next visit to a relay: at once if a relay holds it (the last
@@ -492,6 +499,7 @@ class Scheduler:
             await self._declare([stream])
             self._stream_declared = True
         properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)
+        records = self._signatures.sign_records(records)
         writes = [
             _Prepared(
                 encode_records(records[start : start + _RECORDS_PER_MESSAGE]),
@@ -544,6 +552,7 @@ class Scheduler:
             if callers.delivery_mode == PERSISTENT
             else callers.delivery_mode or 0,
         )
+        envelope = self._signatures.sign_envelope(envelope, body)
         if isinstance(plan, Hop):  # lets the relay measure how late the hop comes back
             hop_expires: int | None = now + plan.step_ms * US_PER_MS
             queue = self.topology.step_queue(plan.step_ms)

@@ -66,18 +66,20 @@ def test_a_cancel_applies_to_messages_created_before_it() -> None:
     cancellations = Cancellations(retention_us=50 * DAY)
     cancellations.apply(Record(CANCEL, "order-42", at_us=NOW))
 
-    assert cancellations.verdict("order-42", created_us=NOW - 1, due_us=NOW + S) == CANCEL
-    assert cancellations.verdict("order-42", created_us=NOW, due_us=NOW + S) == CANCEL
-    assert cancellations.verdict("order-42", created_us=NOW + 1, due_us=NOW + S) is None
-    assert cancellations.verdict("order-43", created_us=NOW - 1, due_us=NOW + S) is None
+    assert (
+        cancellations.verdict("order-42", created_us=NOW - 1, due_us=NOW + S, owner=None) == CANCEL
+    )
+    assert cancellations.verdict("order-42", created_us=NOW, due_us=NOW + S, owner=None) == CANCEL
+    assert cancellations.verdict("order-42", created_us=NOW + 1, due_us=NOW + S, owner=None) is None
+    assert cancellations.verdict("order-43", created_us=NOW - 1, due_us=NOW + S, owner=None) is None
 
 
 def test_a_reschedule_gives_the_new_due_time_until_the_message_carries_it() -> None:
     cancellations = Cancellations(retention_us=50 * DAY)
     cancellations.apply(Record(RESCHEDULE, "order-42", at_us=NOW, due_us=NOW + 60 * S))
 
-    assert cancellations.verdict("order-42", NOW - S, NOW + S) == NOW + 60 * S
-    assert cancellations.verdict("order-42", NOW - S, NOW + 60 * S) is None
+    assert cancellations.verdict("order-42", NOW - S, NOW + S, None) == NOW + 60 * S
+    assert cancellations.verdict("order-42", NOW - S, NOW + 60 * S, None) is None
 
 
 def test_of_two_records_for_one_id_the_later_stands() -> None:
@@ -86,7 +88,7 @@ def test_of_two_records_for_one_id_the_later_stands() -> None:
     cancellations.apply(Record(CANCEL, "x", at_us=NOW + S))
     cancellations.apply(Record(RESCHEDULE, "x", at_us=NOW - S, due_us=NOW + 5 * S))  # older
 
-    assert cancellations.verdict("x", NOW - S, NOW + S) == CANCEL
+    assert cancellations.verdict("x", NOW - S, NOW + S, None) == CANCEL
 
 
 def test_records_are_forgotten_once_no_message_can_meet_them() -> None:
@@ -95,7 +97,9 @@ def test_records_are_forgotten_once_no_message_can_meet_them() -> None:
     cancellations.apply(Record(CANCEL, "due-learnt", at_us=NOW))
     cancellations.apply(Record(CANCEL, "due-unknown", at_us=NOW))
     cancellations.apply(Record(RESCHEDULE, "moved", at_us=NOW, due_us=NOW + 20 * S))
-    assert cancellations.verdict("due-learnt", NOW - S, NOW + 30 * S) == CANCEL  # a relay saw it
+    assert (
+        cancellations.verdict("due-learnt", NOW - S, NOW + 30 * S, None) == CANCEL
+    )  # a relay saw it
 
     assert cancellations.forget(NOW + 10 * S + GRACE_US) == 0
     assert cancellations.forget(NOW + 10 * S + GRACE_US + 1) == 1  # due-known
@@ -115,7 +119,7 @@ def test_an_earlier_reschedule_waits_for_its_message_however_far_in_the_past() -
     cancellations.apply(Record(RESCHEDULE, "x", at_us=NOW, due_us=NOW - 365 * DAY))
     cancellations.forget(NOW + 3 * DAY)  # the message's next visit: three days later
 
-    assert cancellations.verdict("x", NOW - S, NOW + 7 * DAY) == NOW - 365 * DAY
+    assert cancellations.verdict("x", NOW - S, NOW + 7 * DAY, None) == NOW - 365 * DAY
     # met: kept only for crash copies, until past the later of the two due times
     assert cancellations.forget(NOW + 7 * DAY + GRACE_US) == 0
     assert cancellations.forget(NOW + 7 * DAY + GRACE_US + 1) == 1
@@ -127,7 +131,7 @@ def test_a_cancel_that_knows_the_due_time_keeps_a_rescheduled_later_one() -> Non
     cancellations.apply(Record(CANCEL, "x", at_us=NOW + S, due_us=NOW + 60 * S))  # stale due
 
     assert cancellations.forget(NOW + 9 * DAY) == 0
-    assert cancellations.verdict("x", NOW - S, NOW + 10 * DAY) == CANCEL
+    assert cancellations.verdict("x", NOW - S, NOW + 10 * DAY, None) == CANCEL
 
 
 def test_a_pending_cancellation_costs_at_most_200_bytes() -> None:

@@ -12,11 +12,14 @@ from hypothesis import strategies as st
 from hopsched.decide import RETRY_FIRST_MS, RETRY_MAX_MS, Decider, Park, Route
 from hopsched.envelope import HEADER_DUE, HEADER_EXPIRATION, HEADER_VERSION, Envelope
 from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.signing import Signatures
 from hopsched.targets import TargetPolicy
 
 NOW = 1_800_000_000_000_000  # µs since the epoch
 S = 1_000_000  # µs in a second
-DECIDER = Decider(Ladder(), "guest", TargetPolicy(()), retry_for_us=300 * S)
+DECIDER = Decider(
+    Ladder(), "guest", TargetPolicy(()), retry_for_us=300 * S, signatures=Signatures()
+)
 
 
 def headers(due_in_us: int = 10 * S, **changes: Any) -> dict[str, Any]:
@@ -33,7 +36,7 @@ def decide(
     margin_ms: int = 20,
     decider: Decider = DECIDER,
 ) -> Park | Route:
-    return decider.decide(values, user_id, NOW, crowded=crowded, margin_ms=margin_ms)
+    return decider.decide(values, user_id, NOW, crowded=crowded, margin_ms=margin_ms, body=b"")
 
 
 @pytest.mark.parametrize(
@@ -58,7 +61,7 @@ def test_what_cannot_be_delivered_is_parked_with_its_reason(
 
 
 def test_a_target_outside_the_allow_list_is_parked() -> None:
-    strict = Decider(Ladder(), "guest", TargetPolicy(["orders/payment.*"]), 300 * S)
+    strict = Decider(Ladder(), "guest", TargetPolicy(["orders/payment.*"]), 300 * S, Signatures())
 
     decision = decide(headers(), decider=strict)
 
