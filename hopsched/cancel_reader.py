@@ -224,8 +224,9 @@ class CancelReader:
 
 async def tally_records(settings: Settings) -> RecordTally:
     """Read the whole of ``settings``' cancel stream as a relay would, applying nothing:
-    every record counted by signature (checked with ``settings.signing_keys``) and every
-    relay's notice of a message it parked for its signature or target.
+    every record counted by signature (checked with ``settings.signing_keys``; unsigned
+    ones count as ignored with ``require_signatures``, as the relays ignore them then)
+    and every relay's notice of a message it parked for its signature or target.
 
     It writes a marker record, as a relay does, to know where the stream ends (a
     relay's user may write there; a producer's too).
@@ -235,7 +236,7 @@ async def tally_records(settings: Settings) -> RecordTally:
             nothing back within ``CATCH_UP_TIMEOUT_S``); ChannelClosedError: the stream
             is missing (404) or may not be read (403).
     """
-    signatures = Signatures(settings.signatures.keys, settings.prefix)  # nothing required
+    signatures = settings.signatures
     tally = RecordTally(checked=signatures.enabled)
     stream = Topology.from_settings(settings).cancel_stream
     reader = CancelReader(stream, None, now_us, signatures, tally)

@@ -251,6 +251,8 @@ def schedule(
         due_time_us(at, delay, now_us())
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
+    if refusal := settings.target_policy.refusal(exchange, routing_key):
+        raise click.UsageError(refusal)
 
     async def go() -> None:
         async with Scheduler(settings) as scheduler:
