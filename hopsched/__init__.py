@@ -26,6 +26,7 @@ from hopsched.ladder import Hold, Hop, Ladder
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduled, Scheduler, ScheduleRequest
 from hopsched.settings import Settings, mask_url
+from hopsched.signing import SigningKey
 from hopsched.stats import RelayStats
 from hopsched.topology import Topology
 
@@ -53,6 +54,7 @@ __all__ = [
     "Scheduled",
     "Scheduler",
     "Settings",
+    "SigningKey",
     "TargetRefused",
     "Topology",
     "TopologyMismatchError",
