@@ -149,6 +149,7 @@ async def relay_hops(
     relay_args: tuple[str, ...] = (),
     stamped: bool = False,
     signing_key: str | None = None,
+    deliver: bool = False,
 ) -> dict[str, Any]:
     """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start ``relays`` relay
     processes on it (competing consumers of the one relay queue; ``relay_args``: more
@@ -157,7 +158,9 @@ async def relay_hops(
     the relay measures each one's overshoot too, as it does for hops it made.
     ``signing_key`` (``KEY-ID:SECRET``): the envelopes are signed with it, and the relay
     holds it and requires signatures (``HOPSCHED_SIGNING_KEYS``,
-    ``HOPSCHED_REQUIRE_SIGNATURES``)."""
+    ``HOPSCHED_REQUIRE_SIGNATURES``). ``deliver``: the envelopes are due already and
+    the relay delivers each to the queue ``{prefix}-target`` instead (the final publish,
+    where a relay verifies a signature's MAC)."""
     keys = () if signing_key is None else (signing_key,)
     settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch, signing_keys=keys)
     relay_env = dict(os.environ)
@@ -169,17 +172,23 @@ async def relay_hops(
     step = settings.ladder.plan(now_us=now_us(), due_us=due_us)
     assert isinstance(step, hopsched.Hop)
     step_queue = topology.step_queue(step.step_ms)
-    label = f"relay hops x{relays}"
+    target = f"{prefix}-x"
+    if deliver:
+        due_us = now_us()
+        step_queue = target  # where the relay's work ends
+    label = f"relay {'deliveries' if deliver else 'hops'} x{relays}"
     connection = await aio_pika.connect(url, name="bench-relay-fill")
     processes: list[asyncio.subprocess.Process] = []
     samplers: list[ProcessSampler] = []
     try:
         await topology.declare(connection)
         channel = await connection.channel(publisher_confirms=True)
+        if deliver:
+            await channel.declare_queue(target, durable=True)
 
         def envelope(index: int) -> aio_pika.Message:
             unsigned = hopsched.Envelope(
-                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=f"{prefix}-x"
+                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=target
             )
             headers = settings.signatures.sign_envelope(unsigned, body).to_headers()
             if stamped:  # the TTL of a hop ran out 2 ms ago
@@ -248,7 +257,7 @@ async def relay_hops(
             await sampler.stop()
         await asyncio.gather(*(stop_process(relay, 30.0) for relay in processes))
         async with connection.channel() as channel:
-            for name in topology.queues():
+            for name in [*topology.queues(), target]:
                 await channel.queue_delete(name)
             await channel.exchange_delete(topology.expired_exchange)
         await connection.close()

@@ -139,10 +139,14 @@ class Decider:
             envelope = Envelope.from_headers(headers)
         except EnvelopeError as error:
             return Park(f"malformed envelope: {error.reason}", ParkKind.MALFORMED)
-        checked = self.signatures.check_envelope(envelope, body)
+        # A hop only moves a message along hopsched's own ladder: the MAC is checked
+        # before the relay acts on the content (holds it for delivery, signs it anew),
+        # the rest of the signature (present if required, of a key held) at every visit.
+        checked = self.signatures.check_envelope(envelope, body, verify_mac=False)
         if isinstance(checked, Refusal):
             return Park(checked.reason, ParkKind(checked.kind))
         envelope = checked
+        verified = False
         if refusal := self.targets.internal(envelope.exchange, envelope.routing_key):
             return Park(refusal, ParkKind.INTERNAL_TARGET)
         if user_id is not None and user_id != self.login:
@@ -159,6 +163,9 @@ class Decider:
             if verdict == CANCEL:
                 return Cancel(envelope)
             if isinstance(verdict, int):
+                if forged := self._forged(envelope, body):
+                    return forged
+                verified = True
                 moved = dataclasses.replace(envelope, due_us=verdict)
                 envelope = self.signatures.resigned(moved, body)
         if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
@@ -172,7 +179,16 @@ class Decider:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hold_window_ms=0)
         else:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms)
+        if isinstance(plan, Hold) and not verified and (forged := self._forged(envelope, body)):
+            return forged
         return Route(envelope, plan)
+
+    def _forged(self, envelope: Envelope, body: bytes) -> Park | None:
+        """A Park if the envelope's MAC does not verify (None: it does, or is unsigned)."""
+        checked = self.signatures.check_envelope(envelope, body)
+        return (
+            Park(checked.reason, ParkKind(checked.kind)) if isinstance(checked, Refusal) else None
+        )
 
     def after_refusal(self, envelope: Envelope, now_us: int, refusal: str) -> Park | Hop:
         """The target refused the final publish at ``now_us``: wait a hop, or park.

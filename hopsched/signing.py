@@ -67,6 +67,7 @@ UNSIGNED, BAD_SIGNATURE = "unsigned", "bad_signature"
 _KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HEX_MAC = re.compile(r"^[0-9a-f]{64}$")
 _LENGTH = struct.Struct(">I").pack
+_DIGEST_LENGTH = _LENGTH(hashlib.sha256().digest_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,17 +169,21 @@ def envelope_bytes(prefix: str, key_id: str, envelope: Envelope, body: bytes) ->
 def _envelope_fields(envelope: Envelope, body: bytes) -> bytes:
     """The fields of ``envelope_bytes`` after the prefix, as ``canonical`` writes them:
     spelled out, as the relay checks every envelope it receives."""
-    expiration = envelope.expiration
-    values = (
-        envelope.schedule_id.encode(),
-        b"%d" % envelope.created_us,
-        b"%d" % envelope.due_us,
-        envelope.exchange.encode(),
-        envelope.routing_key.encode(),
-        b"" if expiration is None else expiration.encode(),
-        hashlib.sha256(body).digest(),
-    )
-    return b"".join([_LENGTH(len(value)) + value for value in values])
+    schedule_id = envelope.schedule_id.encode()
+    created, due = b"%d" % envelope.created_us, b"%d" % envelope.due_us
+    exchange, routing_key = envelope.exchange.encode(), envelope.routing_key.encode()
+    expiration = b"" if envelope.expiration is None else envelope.expiration.encode()
+    return b"".join(
+        (
+            _LENGTH(len(schedule_id)), schedule_id,
+            _LENGTH(len(created)), created,
+            _LENGTH(len(due)), due,
+            _LENGTH(len(exchange)), exchange,
+            _LENGTH(len(routing_key)), routing_key,
+            _LENGTH(len(expiration)), expiration,
+            _DIGEST_LENGTH, hashlib.sha256(body).digest(),
+        )
+    )  # fmt: skip
 
 
 def record_bytes(prefix: str, key_id: str, record: Record) -> bytes:
@@ -237,9 +242,13 @@ class Signatures:
         self.prefix = prefix
         self.required = required
         self._by_id = {key.key_id: key for key in self.keys}
-        # each key's first three fields of envelope_bytes, which never change
+        # per key, an HMAC that has taken the first three fields of envelope_bytes (they
+        # never change): a relay copies it for each envelope it checks
         self._heads = {
-            key.key_id: canonical(ENVELOPE_DOMAIN, key.key_id, prefix) for key in self.keys
+            key.key_id: hmac.new(
+                key.secret, canonical(ENVELOPE_DOMAIN, key.key_id, prefix), hashlib.sha256
+            )
+            for key in self.keys
         }
 
     def __repr__(self) -> str:
@@ -260,13 +269,18 @@ class Signatures:
         return self._signed(envelope, body, self.keys[0])
 
     def _mac(self, key: SigningKey, envelope: Envelope, body: bytes) -> str:
-        return mac(key, self._heads[key.key_id] + _envelope_fields(envelope, body))
+        """``mac(key, envelope_bytes(...))``, from the key's HMAC of the first fields."""
+        state = self._heads[key.key_id].copy()
+        state.update(_envelope_fields(envelope, body))
+        return state.hexdigest()
 
     def _signed(self, envelope: Envelope, body: bytes, key: SigningKey) -> Envelope:
         signature = f"{key.key_id}:{self._mac(key, envelope, body)}"
         return dataclasses.replace(envelope, signature=signature)
 
-    def check_envelope(self, envelope: Envelope, body: bytes) -> Envelope | Refusal:
+    def check_envelope(
+        self, envelope: Envelope, body: bytes, *, verify_mac: bool = True
+    ) -> Envelope | Refusal:
         """The envelope as it may be relayed, its ``owner`` the key id that verifies its
         signature (None: unsigned, accepted as signatures are not required), or why not.
 
@@ -274,6 +288,10 @@ class Signatures:
         is refused whether or not signatures are required: it is forged or altered.
         Without keys nothing is verified: the envelope comes back without its signature
         (its header stays), so that it counts as unsigned.
+
+        Args:
+            verify_mac: False: check all but the MAC (the relay's check at a hop, which
+                only moves the message along the ladder; ``owner`` is then its claim).
         """
         if not self.keys:
             if envelope.signature is None:
@@ -291,9 +309,9 @@ class Signatures:
             return envelope
         key_id, _, given = signature.rpartition(":")
         key = self._by_id.get(key_id)
-        if key is None or not _HEX_MAC.match(given):
+        if key is None or len(given) != 64 or not given.isascii():  # compare_digest: ASCII
             return Refusal(BAD_SIGNATURE, _unknown(key_id, given, "envelope", _REPLAY))
-        if not hmac.compare_digest(self._mac(key, envelope, body), given):
+        if verify_mac and not hmac.compare_digest(self._mac(key, envelope, body), given):
             return Refusal(
                 BAD_SIGNATURE,
                 f"its signature (key id {key_id!r}) does not match its content (schedule id, "

@@ -3,6 +3,7 @@ tables: no broker, the clock passed in."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -227,7 +228,6 @@ def test_F30_a_relay_that_requires_signatures_parks_unsigned_and_forged_envelope
 
     unsigned = decide(envelope.to_headers(), decider=strict, body=b"b")
     by_stranger = decide(signed(envelope, b"b", FOREIGN), decider=strict, body=b"b")
-    other_body = decide(signed(envelope, b"b"), decider=strict, body=b"B")
     good = decide(signed(envelope, b"b"), decider=strict, body=b"b")
 
     assert isinstance(unsigned, Park)
@@ -235,10 +235,30 @@ def test_F30_a_relay_that_requires_signatures_parks_unsigned_and_forged_envelope
     assert isinstance(by_stranger, Park)
     assert by_stranger.kind == "bad_signature"
     assert "'mallory'" in by_stranger.reason
-    assert isinstance(other_body, Park)
-    assert other_body.kind == "bad_signature"
     assert isinstance(good, Route)
     assert good.envelope.owner == "alice"
+
+
+def test_F30_a_forged_mac_is_parked_before_the_relay_acts_on_the_content() -> None:
+    """A hop only moves a message along the ladder: the MAC is checked once the relay
+    would hold it for delivery, or sign it anew after a reschedule."""
+    strict = decider((KEY,), required=True)
+    envelope = Envelope("id-1", NOW + 10 * S, "orders", "timeout", created_us=NOW - S)
+    forged = signed(envelope, b"the body alice signed")
+
+    hop = decide(forged, decider=strict, body=b"another body")
+    assert isinstance(hop, Route)
+    assert isinstance(hop.plan, Hop)
+    near = signed(dataclasses.replace(envelope, due_us=NOW + S), b"the body alice signed")
+    held = decide(near, decider=strict, body=b"another body")
+    assert isinstance(held, Park)
+    assert held.kind == "bad_signature"
+    assert "does not match its content" in held.reason
+    cancellations = Cancellations(50 * 86_400 * S)
+    cancellations.apply(Record(RESCHEDULE, "id-1", NOW, NOW + 3600 * S, key_id="alice"))
+    moved = decide(forged, decider=strict, body=b"another body", cancellations=cancellations)
+    assert isinstance(moved, Park)  # never signed anew by the relay
+    assert moved.kind == "bad_signature"
     # not required: the unsigned one is relayed, as its own owner's (nobody's)
     lenient = decide(envelope.to_headers(), decider=decider((KEY,)), body=b"b")
     assert isinstance(lenient, Route)
