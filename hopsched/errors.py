@@ -15,6 +15,7 @@ __all__ = [
     "InvalidScheduleError",
     "InvalidSettingsError",
     "MetricsEndpointError",
+    "PrefixNotDeclaredError",
     "PublishRejectedError",
     "PublishTimeoutError",
     "TargetRefused",
@@ -91,6 +92,21 @@ class TopologyMismatchError(HopschedError):
             f"configuration declares {argument}={wanted}. Fix: {fix}. Broker said: "
             f"{broker_text}"
         )
+
+
+class PrefixNotDeclaredError(HopschedError):
+    """The prefix's queues are not on the broker (a mistyped prefix, or never declared):
+    nothing was sent, declared or deleted.
+
+    Attributes:
+        prefix: the prefix asked for.
+        queue: the queue that was looked for and is missing, e.g. ``{prefix}.relay``.
+    """
+
+    def __init__(self, message: str, *, prefix: str, queue: str) -> None:
+        super().__init__(message)
+        self.prefix = prefix
+        self.queue = queue
 
 
 class AccessRefusedError(HopschedError):

@@ -15,13 +15,21 @@ import base64
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit
 
 from hopsched.settings import Settings, mask_url
 
-__all__ = ["MANAGEMENT_PORT", "NodeView", "RelayNodes", "management_urls", "relay_nodes"]
+__all__ = [
+    "MANAGEMENT_PORT",
+    "NodeView",
+    "RelayNodes",
+    "management_urls",
+    "relay_nodes",
+    "unacknowledged",
+]
 
 #: The management plugin's default HTTP port.
 MANAGEMENT_PORT = 15672
@@ -93,6 +101,32 @@ async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayN
             + "; ".join(problems)
         )
     )
+
+
+async def unacknowledged(
+    settings: Settings, queues: Sequence[str], urls: list[str]
+) -> dict[str, int] | str:
+    """The deliveries consumers hold unacknowledged on each of ``queues``
+    (``messages_unacknowledged``), from the first management API of ``urls`` that
+    answers, or why none could tell. RabbitMQ refreshes these figures every
+    ``collect_statistics_interval`` (5 s by default,
+    https://www.rabbitmq.com/docs/management#statistics-interval): a count may be that
+    old. Never raises for an API that cannot be reached or refuses."""
+    problems = []
+    for url in urls:
+        try:
+            found = [await asyncio.to_thread(_get_queue, settings, url, name) for name in queues]
+        except (OSError, ValueError) as error:
+            problems.append(f"{mask_url(url)}: {_why(error)}")
+            continue
+        counts = {
+            name: queue.get("messages_unacknowledged")
+            for name, queue in zip(queues, found, strict=True)
+        }
+        if any(not isinstance(count, int) for count in counts.values()):
+            return f"the management API at {mask_url(url)} has no count yet"
+        return cast(dict[str, int], counts)
+    return "the management API answers nowhere: " + "; ".join(problems)
 
 
 def _get_queue(settings: Settings, base: str, queue: str) -> dict[str, Any]:
