@@ -8,7 +8,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
@@ -581,8 +581,8 @@ def teardown(
     topology = Topology.from_settings(settings)
     apis = management_urls(settings, management_url)
 
-    async def count_held(queues: Sequence[str]) -> dict[str, int] | str:
-        return await unacknowledged(settings, queues, apis)
+    async def count_held(consumers: Mapping[str, int]) -> dict[str, int] | str:
+        return await unacknowledged(settings, consumers, apis)
 
     def removed(step: str, lost: int) -> None:
         click.echo(f"{step} ({lost} ready message(s) deleted with it)" if lost else step)
@@ -599,8 +599,8 @@ def teardown(
         click.echo(f"did not exist: {name}")
     for name, consumers in done.consumers.items():
         held = (
-            f"{done.held[name]} unacknowledged message(s), as the management API counted "
-            "them (RabbitMQ refreshes that count every 5 s by default)"
+            f"{done.held[name]} unacknowledged message(s) at the broker's last statistics "
+            "round (the management API's count, refreshed every 5 s by default)"
             if name in done.held
             else f"an unknown number of messages ({done.held_unknown})"
         )

@@ -15,9 +15,9 @@ import base64
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from hopsched.settings import Settings, mask_url
@@ -104,28 +104,35 @@ async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayN
 
 
 async def unacknowledged(
-    settings: Settings, queues: Sequence[str], urls: list[str]
+    settings: Settings, consumers: Mapping[str, int], urls: list[str]
 ) -> dict[str, int] | str:
-    """The deliveries consumers hold unacknowledged on each of ``queues``
+    """The deliveries consumers hold unacknowledged on each queue of ``consumers``
     (``messages_unacknowledged``), from the first management API of ``urls`` that
     answers, or why none could tell. RabbitMQ refreshes these figures every
     ``collect_statistics_interval`` (5 s by default,
-    https://www.rabbitmq.com/docs/management#statistics-interval): a count may be that
-    old. Never raises for an API that cannot be reached or refuses."""
+    https://www.rabbitmq.com/docs/management#statistics-interval): figures that do not
+    show ``consumers`` (each queue's consumer count, as AMQP reports it now) predate
+    them and count as unknown. Never raises for an API that cannot be reached or
+    refuses."""
     problems = []
     for url in urls:
         try:
-            found = [await asyncio.to_thread(_get_queue, settings, url, name) for name in queues]
+            found = {
+                name: await asyncio.to_thread(_get_queue, settings, url, name) for name in consumers
+            }
         except (OSError, ValueError) as error:
             problems.append(f"{mask_url(url)}: {_why(error)}")
             continue
-        counts = {
-            name: queue.get("messages_unacknowledged")
-            for name, queue in zip(queues, found, strict=True)
-        }
-        if any(not isinstance(count, int) for count in counts.values()):
-            return f"the management API at {mask_url(url)} has no count yet"
-        return cast(dict[str, int], counts)
+        counts = {}
+        for name, queue in found.items():
+            count = queue.get("messages_unacknowledged")
+            if not isinstance(count, int) or queue.get("consumers") != consumers[name]:
+                return (
+                    f"the management API at {mask_url(url)} has no figures for {name} since "
+                    "its consumers came (RabbitMQ refreshes them every 5 s by default)"
+                )
+            counts[name] = count
+        return counts
     return "the management API answers nowhere: " + "; ".join(problems)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,10 +77,10 @@ HOLDING_SUFFIX = ".upgrade"
 #: so far) or ``("removed x.step.16", 3)`` after each queue it deleted (with the messages
 #: deleted with it). For progress output; tests interrupt a tool at a chosen step.
 Progress = Callable[[str, int], None]
-#: ``await count(queues)``: the unacknowledged deliveries consumers hold on each of
-#: ``queues`` (AMQP cannot tell: ``queue.declare-ok`` and ``queue.delete-ok`` count ready
-#: messages only), or why they cannot be counted.
-HeldCounter = Callable[[Sequence[str]], Awaitable[Mapping[str, int] | str]]
+#: ``await count(consumers)``: the unacknowledged deliveries the consumers of each queue
+#: of ``consumers`` (name -> consumer count) hold (AMQP cannot tell: ``queue.declare-ok``
+#: and ``queue.delete-ok`` count ready messages only), or why they cannot be counted.
+HeldCounter = Callable[[Mapping[str, int]], Awaitable[Mapping[str, int] | str]]
 
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<arg>[^']+)' for (?P<kind>queue|exchange) '(?P<queue>[^']+)' "
@@ -565,9 +565,7 @@ class Topology:
             name: depth.consumers for name, depth in depths.items() if depth and depth.consumers
         }
         if done.consumers:
-            counted = (
-                "not counted" if count_held is None else await count_held(list(done.consumers))
-            )
+            counted = "not counted" if count_held is None else await count_held(done.consumers)
             if isinstance(counted, str):
                 done.held_unknown = counted
             else:
