@@ -13,7 +13,6 @@ from datetime import datetime
 from typing import Any, TypeVar, cast
 
 import aio_pika
-import aiormq
 import click
 
 from hopsched.clock import now_us, us_to_datetime
@@ -272,7 +271,8 @@ def schedule(
     content_type: str | None,
     schedule_id: str | None,
 ) -> None:
-    """Schedule one message; prints its schedule id and due time (UTC)."""
+    """Schedule one message; prints its schedule id and due time (UTC). Refused (exit 4)
+    on a prefix that has no relay queue: start a relay or run `hopsched declare` first."""
     if (at is None) == (delay is None):
         raise click.UsageError("give exactly one of --at and --in")
     if body is not None and body_file is not None:
@@ -322,24 +322,6 @@ def schedule(
     _run(go())
 
 
-async def _require_relay_queue(settings: Settings) -> None:
-    """A cancel or reschedule for a prefix nothing was scheduled with (a mistyped
-    --prefix) would succeed and change nothing: refuse it instead."""
-    relay_queue = Topology.from_settings(settings).relay_queue
-    connection = await connect(settings, name="hopsched-cli")
-    async with connection:
-        channel = await connection.channel()
-        try:
-            await channel.declare_queue(relay_queue, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            raise PrefixNotDeclaredError(
-                f"prefix {settings.prefix!r} has no relay queue ({relay_queue}) at "
-                f"{settings.masked_url}: nothing was scheduled with it; check --prefix",
-                prefix=settings.prefix,
-                queue=relay_queue,
-            ) from None
-
-
 @main.command()
 @_connection_options
 @click.argument("schedule_ids", nargs=-1, required=True)
@@ -352,8 +334,7 @@ def cancel(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> list[Cancelled]:
-        await _require_relay_queue(settings)
-        async with Scheduler(settings) as scheduler:
+        async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
             return await scheduler.cancel_many(schedule_ids)
 
     for result in _run(go()):
@@ -382,8 +363,7 @@ def reschedule(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> Scheduled:
-        await _require_relay_queue(settings)
-        async with Scheduler(settings) as scheduler:
+        async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
             return await scheduler.reschedule(schedule_id, at=at, delay=delay)
 
     result = _run(go())

@@ -220,10 +220,14 @@ class Scheduler:
     """Schedules AMQP messages for delivery at a future instant.
 
     Use as ``async with Scheduler(settings) as scheduler:``: entering connects and
-    declares the topology (idempotent). It reconnects by itself: a call made while
-    the broker is down raises ``BrokerUnavailableError`` at once, and the next one after
-    the broker is back works. ``close()`` releases the connection; a Scheduler used
-    again after it connects anew.
+    checks that the prefix exists (its relay queue: a relay or ``hopsched declare`` ran
+    with it), declaring again any of its queues that went missing. A prefix that does
+    not exist (a mistyped one) is refused with ``PrefixNotDeclaredError``, as a message
+    scheduled there would wait for ever; ``declare=True`` declares it instead. It
+    reconnects by itself: a call made while the broker is down raises
+    ``BrokerUnavailableError`` at once, and the next one after the broker is back
+    works. ``close()`` releases the connection; a Scheduler used again after it
+    connects anew.
 
     With several node URLs it connects to one (``first_url``: the index of the first to
     try, default random) and, after losing it, to the next that answers: a call made
@@ -231,8 +235,16 @@ class Scheduler:
     publish the broker nacks (a quorum leader election) is sent again until
     ``Settings.publish_timeout_s``.
 
+    Args:
+        settings: the broker, prefix and ladder.
+        clock: µs since the Unix epoch (tests pass a fake one).
+        first_url: see above.
+        declare: declare the prefix's topology if it does not exist (as a relay and
+            ``hopsched declare`` do), rather than refuse it.
+
     Raises (on enter):
         BrokerUnavailableError: cannot connect or log in (URL shown masked).
+        PrefixNotDeclaredError: without ``declare``, the prefix has no relay queue.
         TopologyMismatchError: the prefix's queues exist with other arguments.
     """
 
@@ -242,8 +254,10 @@ class Scheduler:
         *,
         clock: Callable[[], int] = now_us,
         first_url: int | None = None,
+        declare: bool = False,
     ) -> None:
         self.settings = settings or Settings()
+        self.declare = declare
         self.topology = Topology.from_settings(self.settings)
         self.producer = f"{socket.gethostname()}/{os.getpid()}"
         self._ladder = self.settings.ladder
@@ -304,14 +318,27 @@ class Scheduler:
     async def _connect(self) -> Publisher:
         connection = await self._connector.connect()
         if not self._declared:
-            # not the cancellation stream: scheduling must not wait on it (cancel declares it)
             try:
-                await self._declare(self.topology.queues_but_stream())
+                await self._declare_topology(create=self.declare)
             except BaseException:
                 await connection.close()
                 raise
-            self._declared = True
         return Publisher(connection)
+
+    async def _declare_topology(self, *, create: bool) -> None:
+        """Declare every queue but the cancellation stream (scheduling must not wait on
+        it: cancel declares it); without ``create`` only if the relay queue exists.
+
+        Raises:
+            PrefixNotDeclaredError: without ``create``, no relay queue.
+        """
+        await declare_topology(
+            self.settings,
+            self.topology.queues_but_stream(),
+            first=self._connector.url,
+            existing=not create,
+        )
+        self._declared = True
 
     async def _declare(self, names: Iterable[str]) -> None:
         """Declare ``names`` on the node this scheduler is on, if it answers."""
@@ -326,6 +353,7 @@ class Scheduler:
         exchange: str = "",
         routing_key: str,
         schedule_id: str | None = None,
+        declare: bool = False,
     ) -> Scheduled:
         """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after ``delay``.
 
@@ -341,6 +369,8 @@ class Scheduler:
             exchange: target exchange at due time; "" is the default exchange.
             routing_key: target routing key (for "": the queue name).
             schedule_id: the id to carry; a new UUID by default.
+            declare: declare the prefix's topology first if it does not exist (as
+                ``Scheduler(declare=True)`` does).
 
         Returns:
             ``Scheduled`` with the schedule id and the due time, once the broker has
@@ -354,6 +384,8 @@ class Scheduler:
                 frame, a ``user_id`` other than the login.
             BrokerUnavailableError: no broker answers; ``BrokerConnectionLost`` (a
                 subclass) if the connection went during the call.
+            PrefixNotDeclaredError: the prefix has no relay queue (a mistyped prefix?)
+                and neither this call nor the Scheduler asked to declare it.
             PublishTimeoutError: no confirm within ``Settings.publish_timeout_s``.
             PublishRejectedError: the broker refused the message (``TargetRefused``,
                 ``Unroutable`` are subclasses).
@@ -366,13 +398,19 @@ class Scheduler:
         checked = self._check(
             ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id)
         )
+        if declare and not self._declared:
+            await self._declare_topology(create=True)
         result = (await self._send([checked]))[0]
         if isinstance(result, BaseException):
             raise result
         return result
 
     async def schedule_many(
-        self, requests: Iterable[ScheduleRequest], *, return_exceptions: bool = False
+        self,
+        requests: Iterable[ScheduleRequest],
+        *,
+        return_exceptions: bool = False,
+        declare: bool = False,
     ) -> list[Scheduled | HopschedError]:
         """Schedule many messages with their confirms in flight together.
 
@@ -383,6 +421,8 @@ class Scheduler:
         Returns:
             ``Scheduled`` for each request, in order; with ``return_exceptions`` a
             failed one gives its error in its place instead of raising it.
+
+        ``declare`` is ``schedule()``'s.
 
         Raises:
             As ``schedule()``: without ``return_exceptions``, the first failure once all
@@ -395,6 +435,8 @@ class Scheduler:
                 checked.append(self._check(request))
             except InvalidScheduleError as error:
                 raise InvalidScheduleError(f"request {index}: {error}") from None
+        if declare and not self._declared:
+            await self._declare_topology(create=True)
         results = await self._send(checked)
         if not return_exceptions:
             for result in results:
@@ -489,6 +531,7 @@ class Scheduler:
         """
         stream = self.topology.cancel_stream
         if not self._stream_declared:
+            await self._connected()  # first: a prefix that does not exist is refused
             await self._declare([stream])
             self._stream_declared = True
         properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)

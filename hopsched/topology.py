@@ -737,17 +737,39 @@ def _quiet(step: str, count: int) -> None:
 
 
 async def declare_topology(
-    settings: Settings, names: Iterable[str] | None = None, *, first: str | None = None
+    settings: Settings,
+    names: Iterable[str] | None = None,
+    *,
+    first: str | None = None,
+    existing: bool = False,
 ) -> None:
     """Declare ``settings``' topology (or only the queues in ``names``) over a connection
     of its own, to the node URL ``first`` if it answers (see ``connect``).
 
+    With ``existing``, only on a prefix that has its relay queue (a relay or
+    ``hopsched declare`` ran with it): queues missing behind it (a step an operator
+    deleted, F27) are declared again, but a prefix that was never declared (a mistyped
+    one) is refused rather than created, where a message would wait for ever.
+
     Raises:
+        PrefixNotDeclaredError: with ``existing``, no relay queue; nothing was declared.
         BrokerUnavailableError, TopologyMismatchError, AccessRefusedError.
     """
+    topology = Topology.from_settings(settings)
     connection = await connect(settings, name="hopsched-declare", first=first)
     async with connection:
-        await Topology.from_settings(settings).declare(connection, names)
+        if existing and await _passive_depth(connection, topology.relay_queue) is None:
+            raise PrefixNotDeclaredError(
+                f"prefix {settings.prefix!r} has no relay queue ({topology.relay_queue}) at "
+                f"{settings.masked_url}: no relay and no `hopsched declare` ever ran with "
+                "it, so a message scheduled there would wait for ever; check --prefix "
+                "(Settings.prefix), and if it is right, start a relay first, run "
+                f"`hopsched declare --prefix {settings.prefix}`, or pass declare=True (to "
+                "Scheduler or schedule())",
+                prefix=settings.prefix,
+                queue=topology.relay_queue,
+            )
+        await topology.declare(connection, names)
 
 
 def _unquote(value: str) -> str:

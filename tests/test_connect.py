@@ -221,7 +221,7 @@ async def test_a_scheduler_on_a_node_declares_there_not_on_a_silent_first_url(
     settings = make_settings(url=f"amqp://guest:guest@127.0.0.1:{silent_port}/,{good}")
 
     started = asyncio.get_running_loop().time()
-    async with hopsched.Scheduler(settings, first_url=1) as scheduler:
+    async with hopsched.Scheduler(settings, first_url=1, declare=True) as scheduler:
         await scheduler.schedule(b"x", delay=3600, routing_key="nowhere")
         assert scheduler.node is not None
     assert asyncio.get_running_loop().time() - started < hopsched.connect.CONNECT_TIMEOUT_S / 2
