@@ -14,6 +14,7 @@ confirms, consumer cancel notifications, ``connection.blocked``
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import ssl
 import time
@@ -55,7 +56,8 @@ class ConnectionParams:
 
     The query options are aio-pika's (and aiormq's), so one URL serves both:
     ``heartbeat`` (s), ``auth=external`` (TLS client certificate), ``cafile``,
-    ``capath``, ``certfile``, ``keyfile``, ``no_verify_ssl=1``, ``name``.
+    ``capath``, ``cadata``, ``certfile``, ``keyfile``, ``no_verify_ssl=1``, ``name``
+    (``Settings`` checks them).
     """
 
     url: str
@@ -102,8 +104,11 @@ class ConnectionParams:
         """The TLS context the query options describe, or None for ``amqp://``."""
         if not self.tls:
             return None
+        cadata = self.options.get("cadata")
         context = ssl.create_default_context(
-            cafile=self.options.get("cafile"), capath=self.options.get("capath")
+            cafile=self.options.get("cafile"),
+            capath=self.options.get("capath"),
+            cadata=base64.b64decode(cadata) if cadata else None,  # DER, as aiormq reads it
         )
         if "certfile" in self.options:
             context.load_cert_chain(self.options["certfile"], self.options.get("keyfile"))
