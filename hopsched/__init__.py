@@ -15,6 +15,7 @@ from hopsched.errors import (
     HopschedError,
     InvalidScheduleError,
     InvalidSettingsError,
+    MessageTooLargeError,
     MetricsEndpointError,
     PrefixNotDeclaredError,
     PublishRejectedError,
@@ -24,8 +25,9 @@ from hopsched.errors import (
     Unroutable,
 )
 from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.prepare import ScheduleRequest
 from hopsched.relay import Relay
-from hopsched.scheduler import Scheduled, Scheduler, ScheduleRequest
+from hopsched.scheduler import Scheduled, Scheduler
 from hopsched.settings import Settings, mask_url
 from hopsched.stats import RelayStats
 from hopsched.topology import Topology
@@ -44,6 +46,7 @@ __all__ = [
     "InvalidScheduleError",
     "InvalidSettingsError",
     "Ladder",
+    "MessageTooLargeError",
     "MetricsEndpointError",
     "ParkKind",
     "PrefixNotDeclaredError",

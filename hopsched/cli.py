@@ -29,8 +29,9 @@ from hopsched.errors import (
 from hopsched.logs import LogFormat, configure_logging
 from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowledged
 from hopsched.parked import ParkedListing, list_parked, replay_parked
+from hopsched.prepare import due_time_us
 from hopsched.relay import Relay
-from hopsched.scheduler import Cancelled, Scheduled, Scheduler, due_time_us
+from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
 from hopsched.topology import QueueDepth, Teardown, Topology
 

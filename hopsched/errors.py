@@ -14,6 +14,7 @@ __all__ = [
     "HopschedError",
     "InvalidScheduleError",
     "InvalidSettingsError",
+    "MessageTooLargeError",
     "MetricsEndpointError",
     "PrefixNotDeclaredError",
     "PublishRejectedError",
@@ -160,6 +161,13 @@ class Unroutable(PublishRejectedError):
 class TargetRefused(PublishRejectedError):
     """The broker closed the channel for this publish (missing exchange, access refused,
     a property it refuses); the text gives the broker's reply."""
+
+
+class MessageTooLargeError(InvalidScheduleError, TargetRefused):
+    """The broker refused the message for its size (a body over its ``max_message_size``:
+    406 PRECONDITION_FAILED, https://www.rabbitmq.com/docs/configure#config-items): bad
+    input, so an ``InvalidScheduleError``, though only the broker could tell; nothing was
+    scheduled."""
 
 
 class PublishTimeoutError(HopschedError, TimeoutError):
