@@ -20,9 +20,11 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     PublishRejectedError,
     PublishTimeoutError,
+    TargetCheckError,
     TargetRefused,
     TopologyMismatchError,
     Unroutable,
+    UnroutableTargetError,
 )
 from hopsched.ladder import Hold, Hop, Ladder
 from hopsched.prepare import ScheduleRequest
@@ -58,9 +60,11 @@ __all__ = [
     "Scheduled",
     "Scheduler",
     "Settings",
+    "TargetCheckError",
     "TargetRefused",
     "Topology",
     "TopologyMismatchError",
     "Unroutable",
+    "UnroutableTargetError",
     "mask_url",
 ]

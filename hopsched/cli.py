@@ -9,12 +9,13 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
 import aio_pika
 import click
 
+from hopsched.arguments import parse_header
 from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
@@ -46,6 +47,8 @@ EXIT_NOT_REPLAYED = 3
 #: Nothing of the prefix exists where the command needs it (a mistyped --prefix?):
 #: nothing was done (scheduled, cancelled, upgraded, removed).
 EXIT_NO_PREFIX = 4
+#: ``schedule --at`` further in the past than this (µs) gets a warning.
+_PAST_WARNING_US = 60_000_000
 #: ``upgrade`` prints a progress line every this many messages moved.
 _PROGRESS_EVERY = 1000
 
@@ -241,7 +244,10 @@ def relay(
 @_connection_options
 @click.option("--at", "at", callback=_parse_at, help="Due time, ISO 8601 with offset.")
 @click.option(
-    "--in", "delay", callback=_parse_in, help="Delay: 250ms, 90s, 5m, 2h, 1d (<= 0: now)."
+    "--in",
+    "delay",
+    callback=_parse_in,
+    help="Delay: 250ms, 90s, 5m, 1m30s, 2h, 1d12h (<= 0: now).",
 )
 @click.option(
     "--routing-key",
@@ -252,37 +258,80 @@ def relay(
 @click.option("--exchange", "-x", default="", show_default=True, help="Target exchange.")
 @click.option("--body", help="Message body text.")
 @click.option("--body-file", type=click.File("rb"), help="Message body from a file (- = stdin).")
-@click.option("--header", "headers", multiple=True, metavar="K=V", help="Header (string).")
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="K[:TYPE]=V",
+    help="Header (repeatable); TYPE: str (default), int, float, decimal, bool, datetime "
+    "(ISO 8601 with offset), json (a table or array), e.g. --header attempt:int=3.",
+)
 @click.option("--content-type", help="content_type property, e.g. application/json.")
+@click.option("--message-id", help="message_id property [default: the schedule id].")
+@click.option("--correlation-id", help="correlation_id property.")
+@click.option(
+    "--expiration",
+    callback=_parse_in,
+    help="The delivered message's TTL in its target queue (RabbitMQ's per-message "
+    "expiration, whole ms), e.g. 30s; none by default.",
+)
+@click.option("--priority", type=click.IntRange(0, 255), help="priority property, 0-255.")
+@click.option(
+    "--persistent/--transient",
+    default=True,
+    show_default=True,
+    help="delivery_mode of the delivered message (hops are always persistent).",
+)
 @click.option(
     "--schedule-id",
     help="Your id for it, to cancel or reschedule by, e.g. order-42-timeout (default random).",
+)
+@click.option(
+    "--check-target",
+    is_flag=True,
+    help="First check, publishing nothing, that the target exchange exists and routes the "
+    "routing key to a queue (other exchanges than the default: the management API).",
+)
+@click.option(
+    "--management-url",
+    help="Management API base URL(s) for --check-target [default http://HOST:15672/].",
 )
 def schedule(
     url: str | None,
     prefix: str | None,
     queue_type: str | None,
     at: datetime | None,
-    delay: Any,
+    delay: timedelta | None,
     routing_key: str,
     exchange: str,
     body: str | None,
     body_file: Any,
     headers: tuple[str, ...],
     content_type: str | None,
+    message_id: str | None,
+    correlation_id: str | None,
+    expiration: timedelta | None,
+    priority: int | None,
+    persistent: bool,
     schedule_id: str | None,
+    check_target: bool,
+    management_url: str | None,
 ) -> None:
     """Schedule one message; prints its schedule id and due time (UTC). Refused (exit 4)
-    on a prefix that has no relay queue: start a relay or run `hopsched declare` first."""
+    on a prefix that has no relay queue: start a relay or run `hopsched declare` first.
+    An --at more than a minute past is delivered at once, with a warning."""
     if (at is None) == (delay is None):
         raise click.UsageError("give exactly one of --at and --in")
     if body is not None and body_file is not None:
         raise click.UsageError("give at most one of --body and --body-file")
+    if expiration is not None and expiration < timedelta(0):
+        raise click.BadParameter("must be 0 or more", param_hint="--expiration")
     header_table: dict[str, Any] = {}
     for item in headers:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r}: write K=V", param_hint="--header")
+        try:
+            key, value = parse_header(item)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--header") from None
         if key.startswith("x-hopsched-"):
             raise click.BadParameter(
                 f"{key!r}: x-hopsched-* headers are hopsched's own", param_hint="--header"
@@ -300,16 +349,30 @@ def schedule(
         payload,
         headers=header_table,
         content_type=content_type,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id,
+        correlation_id=correlation_id,
+        expiration=expiration,
+        priority=priority,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+        if persistent
+        else aio_pika.DeliveryMode.NOT_PERSISTENT,
     )
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    now = now_us()
     try:  # before connecting: bad input should not declare anything
-        due_time_us(at, delay, now_us())
+        due = due_time_us(at, delay, now)
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
+    if at is not None and now - due > _PAST_WARNING_US:
+        late = timedelta(microseconds=now - due)
+        logging.getLogger("hopsched.cli").warning(
+            "--at %s is %s in the past: it is due now and will be delivered at once",
+            at.isoformat(),
+            late - timedelta(microseconds=late.microseconds),
+        )
 
     async def go() -> None:
-        async with Scheduler(settings) as scheduler:
+        async with Scheduler(settings, management_url=management_url) as scheduler:
             result = await scheduler.schedule(
                 message,
                 at=at,
@@ -317,6 +380,7 @@ def schedule(
                 exchange=exchange,
                 routing_key=routing_key,
                 schedule_id=schedule_id,
+                check_target=check_target,
             )
         click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}")
 
@@ -643,6 +707,14 @@ def permissions(
     target_exchanges: tuple[str, ...],
 ) -> None:
     """Print the rabbitmqctl command granting the least permissions hopsched needs."""
+    if not user.strip():
+        raise click.BadParameter("empty: give the RabbitMQ user's name", param_hint="--user")
+    if vhost is not None and not vhost.strip():
+        raise click.BadParameter(
+            "empty: give a virtual host (the default vhost is '/'), or leave --vhost out "
+            "for the URL's",
+            param_hint="--vhost",
+        )
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     grant = Topology.from_settings(settings).permissions(target_exchanges)
     click.echo(grant.command(user, settings.vhost if vhost is None else vhost))

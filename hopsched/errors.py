@@ -19,9 +19,11 @@ __all__ = [
     "PrefixNotDeclaredError",
     "PublishRejectedError",
     "PublishTimeoutError",
+    "TargetCheckError",
     "TargetRefused",
     "TopologyMismatchError",
     "Unroutable",
+    "UnroutableTargetError",
 ]
 
 
@@ -156,6 +158,18 @@ class PublishRejectedError(HopschedError):
 
 class Unroutable(PublishRejectedError):
     """The broker returned the message (``mandatory``): no queue is bound for its routing key."""
+
+
+class UnroutableTargetError(InvalidScheduleError, Unroutable):
+    """``schedule(check_target=True)`` found that the target would not take the message:
+    its exchange does not exist or is internal, or no binding routes its routing key to
+    a queue. Nothing was scheduled."""
+
+
+class TargetCheckError(HopschedError):
+    """``schedule(check_target=True)`` could not tell whether the target routes (no
+    management API answered, or an exchange type it cannot follow); nothing was
+    scheduled."""
 
 
 class TargetRefused(PublishRejectedError):

@@ -41,6 +41,7 @@ from hopsched.prepare import (
     encode_properties,
 )
 from hopsched.publisher import LADDER_LANE, Publisher
+from hopsched.routes import check_route
 from hopsched.settings import Settings
 from hopsched.topology import Topology, declare_topology
 
@@ -147,6 +148,8 @@ class Scheduler:
         first_url: see above.
         declare: declare the prefix's topology if it does not exist (as a relay and
             ``hopsched declare`` do), rather than refuse it.
+        management_url: the management API's base URL(s), comma-separated, for
+            ``check_target`` (default ``http://HOST:15672/`` for each URL's host).
 
     Raises (on enter):
         BrokerUnavailableError: cannot connect or log in (URL shown masked).
@@ -161,9 +164,11 @@ class Scheduler:
         clock: Callable[[], int] = now_us,
         first_url: int | None = None,
         declare: bool = False,
+        management_url: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
         self.declare = declare
+        self._management_url = management_url
         self.topology = Topology.from_settings(self.settings)
         self.producer = f"{socket.gethostname()}/{os.getpid()}"
         self._ladder = self.settings.ladder
@@ -260,6 +265,7 @@ class Scheduler:
         routing_key: str,
         schedule_id: str | None = None,
         declare: bool = False,
+        check_target: bool = False,
     ) -> Scheduled:
         """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after ``delay``.
 
@@ -277,6 +283,11 @@ class Scheduler:
             schedule_id: the id to carry; a new UUID by default.
             declare: declare the prefix's topology first if it does not exist (as
                 ``Scheduler(declare=True)`` does).
+            check_target: first check, publishing nothing, that the target exchange
+                exists and routes the routing key to a queue (``routes.check_route``:
+                a passive declare; for an exchange other than the default one, its
+                bindings from the management API). A target broken at due time is
+                parked; this finds it now. It checks the bindings of this instant.
 
         Returns:
             ``Scheduled`` with the schedule id and the due time, once the broker has
@@ -292,6 +303,9 @@ class Scheduler:
                 subclass) if the connection went during the call.
             PrefixNotDeclaredError: the prefix has no relay queue (a mistyped prefix?)
                 and neither this call nor the Scheduler asked to declare it.
+            UnroutableTargetError: with ``check_target``, the target would not take it
+                (an ``InvalidScheduleError`` and an ``Unroutable``).
+            TargetCheckError: with ``check_target``, it could not be told.
             PublishTimeoutError: no confirm within ``Settings.publish_timeout_s``.
             PublishRejectedError: the broker refused the message (``TargetRefused``,
                 ``Unroutable`` are subclasses).
@@ -306,6 +320,8 @@ class Scheduler:
         )
         if declare and not self._declared:
             await self._declare_topology(create=True)
+        if check_target:
+            await self._check_target(checked)
         result = (await self._send([checked]))[0]
         if isinstance(result, BaseException):
             raise result
@@ -317,6 +333,7 @@ class Scheduler:
         *,
         return_exceptions: bool = False,
         declare: bool = False,
+        check_target: bool = False,
     ) -> list[Scheduled | HopschedError]:
         """Schedule many messages with their confirms in flight together.
 
@@ -328,7 +345,8 @@ class Scheduler:
             ``Scheduled`` for each request, in order; with ``return_exceptions`` a
             failed one gives its error in its place instead of raising it.
 
-        ``declare`` is ``schedule()``'s.
+        ``declare`` and ``check_target`` are ``schedule()``'s (each distinct target is
+        checked once, before anything is sent).
 
         Raises:
             As ``schedule()``: without ``return_exceptions``, the first failure once all
@@ -343,6 +361,12 @@ class Scheduler:
                 raise InvalidScheduleError(f"request {index}: {error}") from None
         if declare and not self._declared:
             await self._declare_topology(create=True)
+        if check_target:
+            targets = {
+                (c.envelope.exchange, c.envelope.routing_key, repr(c.headers)): c for c in checked
+            }
+            for one in targets.values():
+                await self._check_target(one)
         results = await self._send(checked)
         if not return_exceptions:
             for result in results:
@@ -455,6 +479,17 @@ class Scheduler:
         for result in await self._send(writes):
             if isinstance(result, BaseException):
                 raise result
+
+    async def _check_target(self, checked: Checked) -> None:
+        """``routes.check_route`` for a checked call's target and headers."""
+        await check_route(
+            self.settings,
+            checked.envelope.exchange,
+            checked.envelope.routing_key,
+            dict(checked.headers),
+            management_url=self._management_url,
+            first=self._connector.url,
+        )
 
     def _check(self, request: ScheduleRequest) -> Checked:
         """Check a call (``prepare.check_request``), or raise InvalidScheduleError."""
