@@ -34,6 +34,7 @@ from hopsched.validate import check_expiration, check_headers, shorten
 __all__ = [
     "MAX_BODY_BYTES",
     "MAX_SCHEDULE_ID_BYTES",
+    "SHORT_STRINGS",
     "Checked",
     "ScheduleRequest",
     "check_properties",
@@ -52,7 +53,7 @@ MAX_SCHEDULE_ID_BYTES = 255
 MAX_BODY_BYTES = 512 * 1024 * 1024
 
 #: Basic properties that are AMQP short strings (at most 255 bytes), pamqp's names.
-_SHORT_STRINGS = (
+SHORT_STRINGS = (
     "content_type",
     "content_encoding",
     "correlation_id",
@@ -259,7 +260,7 @@ def check_properties(properties: Basic.Properties) -> None:
     Raises:
         InvalidScheduleError: the property, its value, the rule and the fix.
     """
-    for name in _SHORT_STRINGS:
+    for name in SHORT_STRINGS:
         value = getattr(properties, name, None)
         if value is None:
             continue

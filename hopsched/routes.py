@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import urllib.error
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
 
-import aio_pika
-import aiormq
-
 from hopsched.connect import connect
 from hopsched.errors import TargetCheckError, UnroutableTargetError
 from hopsched.nodes import api_get, management_urls, why
 from hopsched.settings import Settings, mask_url
+from hopsched.topology import exists
 
 __all__ = [
     "Binding",
@@ -281,14 +279,14 @@ async def check_route(
     connection = await connect(settings, name="hopsched-check-target", first=first)
     async with connection:
         if not exchange:
-            if not await _exists(connection, lambda c: c.declare_queue(routing_key, passive=True)):
+            if not await exists(connection, lambda c: c.declare_queue(routing_key, passive=True)):
                 raise UnroutableTargetError(
                     f"target: no queue {routing_key!r}, so the default exchange (which routes "
                     "by queue name) would not deliver to it; declare the queue or fix the "
                     "routing key"
                 )
             return
-        if not await _exists(connection, lambda c: c.declare_exchange(exchange, passive=True)):
+        if not await exists(connection, lambda c: c.declare_exchange(exchange, passive=True)):
             raise UnroutableTargetError(
                 f"target {target}: the exchange does not exist; declare it or fix the name"
             )
@@ -320,22 +318,3 @@ async def check_route(
         f"answers nowhere ({'; '.join(problems)}); give its URL (management_url, "
         "--management-url), or schedule without check_target"
     )
-
-
-async def _exists(
-    connection: aio_pika.abc.AbstractConnection,
-    declare: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]],
-) -> bool:
-    """Whether a passive declare finds its object (an exclusive queue of another
-    connection exists too: the broker answers 405 RESOURCE_LOCKED)."""
-    channel = await connection.channel(publisher_confirms=False)
-    try:
-        await declare(channel)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        return False
-    except aiormq.exceptions.ChannelLockedResource:
-        return True
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return True

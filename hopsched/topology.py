@@ -39,6 +39,7 @@ __all__ = [
     "Teardown",
     "Topology",
     "declare_topology",
+    "exists",
     "teardown_refusal",
 ]
 
@@ -599,17 +600,10 @@ class Topology:
         return done
 
     async def _exchange_exists(self, connection: aio_pika.abc.AbstractConnection) -> bool:
-        channel = await connection.channel(publisher_confirms=False)
-        try:
-            await (await channel.get_underlay_channel()).exchange_declare(
-                self.expired_exchange, passive=True
-            )
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return False
-        finally:
-            if not channel.is_closed:
-                await channel.close()
-        return True
+        return await exists(
+            connection,
+            lambda channel: channel.declare_exchange(self.expired_exchange, passive=True),
+        )
 
     async def _explain(
         self,
@@ -715,6 +709,25 @@ async def _move_all(
         moved += 1
         report(step, moved)  # before the ack: an interruption here duplicates this one
         await underlay.basic_ack(delivered.delivery_tag or 0)
+
+
+async def exists(
+    connection: aio_pika.abc.AbstractConnection,
+    declare: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]],
+) -> bool:
+    """Whether a passive declare (``declare`` on a channel of its own) finds its object;
+    an exclusive queue of another connection exists too (405 RESOURCE_LOCKED)."""
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        await declare(channel)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    except aiormq.exceptions.ChannelLockedResource:
+        return True
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return True
 
 
 async def _passive_depth(

@@ -20,6 +20,7 @@ import hopsched
 from hopsched import amqp
 from hopsched.prepare import (
     MAX_BODY_BYTES,
+    SHORT_STRINGS,
     ScheduleRequest,
     check_request,
     encode_properties,
@@ -63,16 +64,6 @@ def prepare(message: aio_pika.abc.AbstractMessage | bytes) -> bytes:
     return encode_properties(checked, "host/1")
 
 
-SHORT_STRINGS = [
-    "content_type",
-    "content_encoding",
-    "correlation_id",
-    "reply_to",
-    "message_id",
-    "message_type",
-    "app_id",
-    "cluster_id",
-]
 AWARE_1970 = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -210,7 +201,7 @@ HEADER_VALUES = st.recursive(
     max_leaves=8,
 )
 HEADER_KEYS = TEXT | st.sampled_from([1, None, b"k", ("a",)])
-PROPERTY_NAMES = [*SHORT_STRINGS, "user_id", "priority", "delivery_mode", "timestamp", "expiration"]
+PROPERTY_NAMES = [*SHORT_STRINGS, "priority", "delivery_mode", "timestamp", "expiration"]
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
