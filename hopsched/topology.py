@@ -733,12 +733,24 @@ async def exists(
 async def _passive_depth(
     connection: aio_pika.abc.AbstractConnection, name: str
 ) -> QueueDepth | None:
-    """Queue ``name``'s depth, None if it does not exist (a passive declare)."""
+    """Queue ``name``'s depth, None if it does not exist (a passive declare).
+
+    Raises:
+        BrokerUnavailableError: the broker cannot tell now (the queue's node is down: a
+            404 that does not mean "no such queue"; a lost channel or connection).
+    """
     channel = await connection.channel(publisher_confirms=False)
     try:
         ok = await (await channel.get_underlay_channel()).queue_declare(name, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
+    except aiormq.exceptions.ChannelNotFoundEntity as error:
+        text = str(error.args[0] if error.args else error)
+        if "home node" in text:  # e.g. a classic queue whose node is down
+            raise BrokerUnavailableError(f"reading {name!r}: {text}") from None
         return None
+    except (aiormq.exceptions.AMQPError, ConnectionError) as error:
+        raise BrokerUnavailableError(
+            f"reading {name!r}: {error.args[0] if error.args else error!r}"
+        ) from None
     finally:
         if not channel.is_closed:
             await channel.close()

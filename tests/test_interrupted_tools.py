@@ -137,7 +137,18 @@ def upgrade_steps(prefix: str) -> list[tuple[str, int]]:
     ]
 
 
-@pytest.mark.parametrize("at", range(len(upgrade_steps("p"))))
+#: The fast tier kills at three steps (moving out, the queue deleted, moving back); the
+#: slow tier at every one.
+FAST_STEPS = (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "at",
+    [
+        pytest.param(at, marks=() if at in FAST_STEPS else pytest.mark.slow)
+        for at in range(len(upgrade_steps("p")))
+    ],
+)
 async def test_F29_an_upgrade_killed_at_any_step_is_finished_by_the_next_run(
     settings: hopsched.Settings, amqp: AMQP, cleanup: Cleanup, at: int
 ) -> None:
@@ -166,6 +177,7 @@ async def test_F29_an_upgrade_killed_at_any_step_is_finished_by_the_next_run(
     await assert_upgraded(settings, amqp, kills=1)
 
 
+@pytest.mark.slow
 async def test_F29_an_upgrade_killed_twice_is_finished_by_the_third_run(
     settings: hopsched.Settings, amqp: AMQP, cleanup: Cleanup
 ) -> None:
@@ -266,7 +278,10 @@ async def parked_messages(settings: hopsched.Settings, amqp: AMQP, count: int) -
         )
 
 
-@pytest.mark.parametrize("after", [1, 50, 100])
+@pytest.mark.parametrize(
+    "after",
+    [pytest.param(1, marks=pytest.mark.slow), 50, pytest.param(100, marks=pytest.mark.slow)],
+)
 async def test_a_parked_replay_killed_is_finished_by_the_next_run(
     settings: hopsched.Settings, amqp: AMQP, after: int
 ) -> None:
