@@ -282,7 +282,7 @@ async def _schedule_bulk(
     topology = hopsched.Topology.from_settings(settings)
     body, delay, target = b"x" * 64, timedelta(hours=1), f"{prefix}-target"
     try:
-        async with hopsched.Scheduler(settings) as scheduler:
+        async with hopsched.Scheduler(settings, declare=True) as scheduler:
             cpu_before, started = time.process_time(), time.monotonic()
             if many:
                 for start in range(0, count, BURST_BATCH):

@@ -265,7 +265,7 @@ class Hopsched(Strategy):
         self.scheduler: hopsched.Scheduler | None = None
 
     async def _declare(self, channel: aio_pika.abc.AbstractChannel) -> None:
-        self.scheduler = hopsched.Scheduler(self.settings)
+        self.scheduler = hopsched.Scheduler(self.settings, declare=True)
         await self.scheduler.__aenter__()
 
     def _process_command(self) -> list[str]:

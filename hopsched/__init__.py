@@ -15,16 +15,21 @@ from hopsched.errors import (
     HopschedError,
     InvalidScheduleError,
     InvalidSettingsError,
+    MessageTooLargeError,
     MetricsEndpointError,
+    PrefixNotDeclaredError,
     PublishRejectedError,
     PublishTimeoutError,
+    TargetCheckError,
     TargetRefused,
     TopologyMismatchError,
     Unroutable,
+    UnroutableTargetError,
 )
 from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.prepare import ScheduleRequest
 from hopsched.relay import Relay
-from hopsched.scheduler import Scheduled, Scheduler, ScheduleRequest
+from hopsched.scheduler import Scheduled, Scheduler
 from hopsched.settings import Settings, mask_url
 from hopsched.signing import SigningKey
 from hopsched.stats import RelayStats
@@ -44,8 +49,10 @@ __all__ = [
     "InvalidScheduleError",
     "InvalidSettingsError",
     "Ladder",
+    "MessageTooLargeError",
     "MetricsEndpointError",
     "ParkKind",
+    "PrefixNotDeclaredError",
     "PublishRejectedError",
     "PublishTimeoutError",
     "Relay",
@@ -55,9 +62,11 @@ __all__ = [
     "Scheduler",
     "Settings",
     "SigningKey",
+    "TargetCheckError",
     "TargetRefused",
     "Topology",
     "TopologyMismatchError",
     "Unroutable",
+    "UnroutableTargetError",
     "mask_url",
 ]

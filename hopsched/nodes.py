@@ -15,13 +15,23 @@ import base64
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from hopsched.settings import Settings, mask_url
 
-__all__ = ["MANAGEMENT_PORT", "NodeView", "RelayNodes", "management_urls", "relay_nodes"]
+__all__ = [
+    "MANAGEMENT_PORT",
+    "NodeView",
+    "RelayNodes",
+    "api_get",
+    "management_urls",
+    "relay_nodes",
+    "unacknowledged",
+    "why",
+]
 
 #: The management plugin's default HTTP port.
 MANAGEMENT_PORT = 15672
@@ -83,7 +93,7 @@ async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayN
         try:
             found = await asyncio.to_thread(_get_queue, settings, url, queue)
         except (OSError, ValueError) as error:  # URLError and HTTPError are OSErrors
-            problems.append(f"{mask_url(url)}: {_why(error)}")
+            problems.append(f"{mask_url(url)}: {why(error)}")
             continue
         return RelayNodes(nodes=_views(found), source=mask_url(url))
     return RelayNodes(
@@ -95,21 +105,73 @@ async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayN
     )
 
 
+async def unacknowledged(
+    settings: Settings, consumers: Mapping[str, int], urls: list[str]
+) -> dict[str, int] | str:
+    """The deliveries consumers hold unacknowledged on each queue of ``consumers``
+    (``messages_unacknowledged``), from the first management API of ``urls`` that
+    answers, or why none could tell. RabbitMQ refreshes these figures every
+    ``collect_statistics_interval`` (5 s by default,
+    https://www.rabbitmq.com/docs/management#statistics-interval): figures that do not
+    show ``consumers`` (each queue's consumer count, as AMQP reports it now) predate
+    them and count as unknown. Never raises for an API that cannot be reached or
+    refuses."""
+    problems = []
+    for url in urls:
+        try:
+            found = {
+                name: await asyncio.to_thread(_get_queue, settings, url, name) for name in consumers
+            }
+        except (OSError, ValueError) as error:
+            problems.append(f"{mask_url(url)}: {why(error)}")
+            continue
+        counts = {}
+        for name, queue in found.items():
+            count = queue.get("messages_unacknowledged")
+            if not isinstance(count, int) or queue.get("consumers") != consumers[name]:
+                return (
+                    f"the management API at {mask_url(url)} has no figures for {name} since "
+                    "its consumers came (RabbitMQ refreshes them every 5 s by default)"
+                )
+            counts[name] = count
+        return counts
+    return "the management API answers nowhere: " + "; ".join(problems)
+
+
 def _get_queue(settings: Settings, base: str, queue: str) -> dict[str, Any]:
-    parts = urlsplit(settings.urls[0])
-    user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
-    vhost = quote(settings.vhost, safe="")
-    request = urllib.request.Request(f"{base.rstrip('/')}/api/queues/{vhost}/{quote(queue)}")
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
-        found: dict[str, Any] = json.load(response)
+    found: dict[str, Any] = api_get(
+        settings, base, f"queues/{quote(settings.vhost, safe='')}/{quote(queue)}"
+    )
     return found
 
 
-def _why(error: BaseException) -> str:
+def api_get(settings: Settings, base: str, path: str) -> Any:
+    """The JSON at ``{base}api/{path}``, logged in with the user and password of
+    ``settings``' first URL (blocking: run it in a thread).
+
+    Raises:
+        OSError: the API cannot be reached or answers an error (``urllib.error.HTTPError``).
+        ValueError: the answer is not JSON.
+    """
+    parts = urlsplit(settings.urls[0])
+    user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
+    request = urllib.request.Request(f"{base.rstrip('/')}/api/{path}")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request.add_header("Authorization", f"Basic {token}")
+    with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
+        return json.load(response)
+
+
+def why(error: BaseException) -> str:
+    """What went wrong asking the management API, in a few words."""
     if isinstance(error, urllib.error.HTTPError):
-        return f"HTTP {error.code} {error.reason}"
+        hint = ""
+        if error.code in (401, 403):
+            hint = (
+                " (the URL's user needs a management tag: rabbitmqctl set_user_tags USER "
+                "management)"
+            )
+        return f"HTTP {error.code} {error.reason}{hint}"
     if isinstance(error, urllib.error.URLError):
         return str(error.reason)
     return str(error) or type(error).__name__

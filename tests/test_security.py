@@ -60,14 +60,6 @@ RELAYS_KEYS = {
 }
 
 
-def producer(settings: hopsched.Settings) -> hopsched.Scheduler:
-    """A Scheduler that declares nothing, as a producer with the producer grant runs
-    it (the relay and the operator declare the topology)."""
-    scheduler = hopsched.Scheduler(settings)
-    scheduler._declared = scheduler._stream_declared = True
-    return scheduler
-
-
 async def until(condition: Callable[[], bool], within: float) -> None:
     """Wait (polling a relay's counters: they signal nothing) until ``condition()``."""
     async with asyncio.timeout(within):
@@ -140,7 +132,7 @@ async def test_each_role_holding_only_its_printed_grant_does_its_work(
         status, out, err = await hopsched_cli("declare", settings=operator)
         assert status == 0, err
         await relays.start(relay)
-        async with producer(app) as scheduler:
+        async with hopsched.Scheduler(app) as scheduler:
             good = [
                 await scheduler.schedule(
                     f"{i}".encode(), delay=0.1 * i, exchange="orders", routing_key="timeout"
@@ -610,7 +602,7 @@ async def test_F30_a_producer_holding_only_its_grant_tries_every_attack(
     try:
         orders = await declare_target(admin, "orders", "orders.timeout", "timeout")
         relay = await relays.start(relay_settings)
-        async with producer(alice_settings) as alice:
+        async with hopsched.Scheduler(alice_settings) as alice:
             victims = [
                 await alice.schedule(b"v", delay=6, exchange="orders", routing_key="timeout")
                 for _ in range(4)
@@ -618,7 +610,7 @@ async def test_F30_a_producer_holding_only_its_grant_tries_every_attack(
             mine = await alice.schedule(b"mine", delay=6, exchange="orders", routing_key="timeout")
             await alice.cancel(mine)
         mallory_connection = await aio_pika.connect(mallory_settings.urls[0])
-        async with mallory_connection, producer(mallory_settings) as mallory:
+        async with mallory_connection, hopsched.Scheduler(mallory_settings) as mallory:
             # the broker refuses her every configure and read, and the target exchange
             for what in (
                 lambda ch: ch.queue_delete(topology.relay_queue),
