@@ -776,7 +776,7 @@ def permissions(
 
 
 _ROLE_DOES: dict[Role, str] = {
-    "producer": "schedule, cancel, reschedule (a Scheduler that does not declare)",
+    "producer": "schedule, cancel, reschedule (declares nothing)",
     "relay": "hopsched relay",
     "operator": "declare, status, teardown, upgrade, parked list/replay, cancel, reschedule",
 }

@@ -242,8 +242,8 @@ class Topology:
         * ``"producer"`` (``schedule()``, ``cancel()``, ``reschedule()``): write on
           ``amq.default`` (first hops into the steps, records into the cancel stream) and
           on ``{prefix}.expired`` (a message due at once); no configure and no read: it
-          can neither delete nor read a queue of the prefix. (A Scheduler that declares
-          the topology needs the operator's configure and read too.)
+          can neither delete nor read a queue of the prefix (a Scheduler on it declares
+          nothing; ``Scheduler(declare=True)`` needs the operator's grant).
         * ``"relay"``: configure on the prefix's objects (it declares them, and again any
           deleted at runtime); write on ``amq.default`` (hops, parking, markers, targets
           on the default exchange), ``{prefix}.expired`` (a step queue's dead-letter
