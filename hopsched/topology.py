@@ -383,8 +383,9 @@ class Topology:
             except aiormq.exceptions.ChannelAccessRefused as error:
                 raise AccessRefusedError(
                     f"declaring {declaring!r}: {error.args[0] if error.args else error}. "
-                    "The relays and `hopsched declare` declare the prefix's queues and "
-                    "exchange: give this user the relay's or the operator's grant "
+                    "Declaring the prefix's queues and exchange (a relay, `hopsched "
+                    "declare`) needs configure permission on them, and read and write for "
+                    "their dead-lettering: give this user the relay's or the operator's grant "
                     f"(hopsched permissions --prefix {self.prefix} --role relay|operator); "
                     "a producer's grant declares nothing"
                 ) from None
