@@ -97,7 +97,7 @@ class Strategy:
         self.node_url = split_urls(url)[0]  # for the benchmark's own aio-pika connections
         self.prefetch = prefetch
         self.prefix = f"hopsched-bench-{self.name}-{run_id}"
-        self.target_queue = f"{self.prefix}.target"
+        self.target_queue = f"{self.prefix}-target"  # hopsched refuses its own {prefix}.…
         self.queues: list[str] = [self.target_queue]
         self.exchanges: list[str] = []
         self.process: asyncio.subprocess.Process | None = None

@@ -31,6 +31,7 @@ from hopsched.prepare import ScheduleRequest
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduled, Scheduler
 from hopsched.settings import Settings, mask_url
+from hopsched.signing import SigningKey
 from hopsched.stats import RelayStats
 from hopsched.topology import Topology
 
@@ -60,6 +61,7 @@ __all__ = [
     "Scheduled",
     "Scheduler",
     "Settings",
+    "SigningKey",
     "TargetCheckError",
     "TargetRefused",
     "Topology",

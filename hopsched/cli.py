@@ -16,6 +16,8 @@ import aio_pika
 import click
 
 from hopsched.arguments import parse_header
+from hopsched.cancel import RecordTally
+from hopsched.cancel_reader import tally_records
 from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
@@ -34,7 +36,7 @@ from hopsched.prepare import due_time_us
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
-from hopsched.topology import QueueDepth, Teardown, Topology
+from hopsched.topology import ROLES, QueueDepth, Role, Teardown, Topology
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_NOT_REPLAYED", "EXIT_NO_PREFIX", "main"]
 
@@ -370,6 +372,8 @@ def schedule(
             at.isoformat(),
             late - timedelta(microseconds=late.microseconds),
         )
+    if refusal := settings.target_policy.refusal(exchange, routing_key):
+        raise click.UsageError(refusal)
 
     async def go() -> None:
         async with Scheduler(settings, management_url=management_url) as scheduler:
@@ -486,13 +490,18 @@ def status(
     management_url: str | None,
 ) -> None:
     """Depth of every step queue, the relay and parked queues; relay consumers, and with
-    several URLs (or --nodes) which node each relay is on. Declares nothing; a queue of
-    another type (--queue-type) is an error."""
+    several URLs (or --nodes) which node each relay is on; the cancel stream's records by
+    signature (checked with HOPSCHED_SIGNING_KEYS) and the messages relays parked for
+    their signature or target. Declares nothing (it writes one marker record to read the
+    stream to its end, as a relay does); a queue of another type (--queue-type) is an
+    error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
     per_node = per_node or len(settings.urls) > 1 or management_url is not None
 
-    async def go() -> tuple[dict[str, QueueDepth | None], RelayNodes | None, str | None]:
+    async def go() -> tuple[
+        dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str
+    ]:
         connection = await connect(settings)
         async with connection:
             depths = await topology.inspect(connection, check_arguments=False)
@@ -502,15 +511,18 @@ def status(
                 mismatch: str | None = str(error)
             else:
                 mismatch = None
+        records = await _records(settings, depths.get(topology.cancel_stream) is not None)
         if not per_node:
-            return depths, None, mismatch
+            return depths, None, mismatch, records
         urls = management_urls(settings, management_url)
-        return depths, await relay_nodes(settings, topology.relay_queue, urls), mismatch
+        nodes = await relay_nodes(settings, topology.relay_queue, urls)
+        return depths, nodes, mismatch, records
 
-    depths, nodes, mismatch = cast(
-        tuple[dict[str, QueueDepth | None], RelayNodes | None, str | None], _run(go())
+    depths, nodes, mismatch, records = cast(
+        tuple[dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str],
+        _run(go()),
     )
-    _show_status(settings, topology, depths, nodes, as_json)
+    _show_status(settings, topology, depths, nodes, as_json, records)
     problems = _status_problems(settings, topology, depths)
     if mismatch is not None:
         problems.insert(0, mismatch)
@@ -552,12 +564,39 @@ def _status_problems(
     return problems
 
 
+async def _records(settings: Settings, declared: bool) -> RecordTally | str:
+    """The cancel stream's records by signature, or why they could not be read."""
+    if not declared:
+        return "the cancel stream is not declared yet"
+    try:
+        return await tally_records(settings)
+    except HopschedError as error:
+        return f"not read: {error}"
+
+
+def _records_lines(tally: RecordTally | str) -> list[str]:
+    if isinstance(tally, str):
+        return [f"records: {tally}"]
+    refused = ", ".join(f"{n} {why}" for why, n in sorted(tally.refused.items())) or "none"
+    if tally.checked:
+        lines = [f"records: {tally.signed} signed, {tally.unsigned} unsigned; ignored: {refused}"]
+    else:
+        lines = [
+            f"records: {tally.signed} carry a signature, {tally.unsigned} do not (not checked: "
+            f"no signing keys); ignored: {refused}"
+        ]
+    parked = ", ".join(f"{n} {kind}" for kind, n in sorted(tally.parked.items())) or "none"
+    lines.append(f"parked by relays for their signature or target: {parked}")
+    return lines
+
+
 def _show_status(
     settings: Settings,
     topology: Topology,
     depths: dict[str, QueueDepth | None],
     nodes: RelayNodes | None,
     as_json: bool,
+    records: RecordTally | str,
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
@@ -570,6 +609,7 @@ def _show_status(
                 for name, depth in depths.items()
             },
             "relay_consumers": relay_consumers,
+            "records": records if isinstance(records, str) else dataclasses.asdict(records),
         }
         if nodes is not None:
             shown["nodes"] = {name: dataclasses.asdict(view) for name, view in nodes.nodes.items()}
@@ -585,6 +625,8 @@ def _show_status(
             text += " (an interrupted upgrade: run `hopsched upgrade` again)"
         click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
+    for line in _records_lines(records):
+        click.echo(line)
     if nodes is None:
         return
     if nodes.unavailable is not None:
@@ -690,23 +732,30 @@ def upgrade(url: str | None, prefix: str | None, queue_type: str | None) -> None
 
 @main.command()
 @_connection_options
+@click.option(
+    "--role",
+    type=click.Choice(ROLES),
+    help="One role's grant for --user [default: every role's, for USER-ROLE each].",
+)
 @click.option("--user", default="hopsched", show_default=True, help="RabbitMQ user name.")
 @click.option("--vhost", help="Virtual host [default: the URL's, '/' if it names none].")
 @click.option(
     "--target-exchange",
     "target_exchanges",
     multiple=True,
-    help="An exchange messages are delivered to (repeatable; the default exchange needs none).",
+    help="An exchange the relay delivers to (repeatable; the default exchange needs none).",
 )
 def permissions(
     url: str | None,
     prefix: str | None,
     queue_type: str | None,
+    role: Role | None,
     user: str,
     vhost: str | None,
     target_exchanges: tuple[str, ...],
 ) -> None:
-    """Print the rabbitmqctl command granting the least permissions hopsched needs."""
+    """Print the rabbitmqctl commands granting each role (producer, relay, operator) the
+    least it needs; docs/security.md says what each grant allows."""
     if not user.strip():
         raise click.BadParameter("empty: give the RabbitMQ user's name", param_hint="--user")
     if vhost is not None and not vhost.strip():
@@ -716,8 +765,21 @@ def permissions(
             param_hint="--vhost",
         )
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
-    grant = Topology.from_settings(settings).permissions(target_exchanges)
-    click.echo(grant.command(user, settings.vhost if vhost is None else vhost))
+    topology = Topology.from_settings(settings)
+    vhost = settings.vhost if vhost is None else vhost
+    if role is not None:
+        click.echo(topology.permissions(role, target_exchanges).command(user, vhost))
+        return
+    for each in ROLES:
+        click.echo(f"# {each}: {_ROLE_DOES[each]}")
+        click.echo(topology.permissions(each, target_exchanges).command(f"{user}-{each}", vhost))
+
+
+_ROLE_DOES: dict[Role, str] = {
+    "producer": "schedule, cancel, reschedule (declares nothing)",
+    "relay": "hopsched relay",
+    "operator": "declare, status, teardown, upgrade, parked list/replay, cancel, reschedule",
+}
 
 
 @main.group()

@@ -3,7 +3,10 @@ Pure: no I/O; the clock comes in as ``now_us``.
 
 ``Decider.decide`` turns a delivery's headers into ``Park(reason)``, ``Cancel`` (its
 schedule was cancelled) or ``Route(envelope, plan)``, the plan being the ladder's
-``Hop(step)`` or ``Hold(wait)`` (a reschedule has moved the envelope's due time).
+``Hop(step)`` or ``Hold(wait)`` (a reschedule has moved the envelope's due time). It
+checks the envelope's signature first (``hopsched.signing``) and parks a message whose
+target lies in hopsched's own namespace: the relay publishes into its own queues and
+stream only through its own code paths.
 ``Decider.after_refusal`` answers a negative confirm on the final publish (a full
 target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
 once the refusals have lasted ``retry_for_us``.
@@ -21,10 +24,20 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.envelope import Envelope
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.signing import Refusal, Signatures
 from hopsched.targets import TargetPolicy
 from hopsched.validate import check_expiration
 
-__all__ = ["RETRY_FIRST_MS", "RETRY_MAX_MS", "Cancel", "Decider", "Park", "ParkKind", "Route"]
+__all__ = [
+    "NOTICED",
+    "RETRY_FIRST_MS",
+    "RETRY_MAX_MS",
+    "Cancel",
+    "Decider",
+    "Park",
+    "ParkKind",
+    "Route",
+]
 
 #: The first wait before a refused final publish is tried again, ms; it doubles with
 #: each refusal up to ``RETRY_MAX_MS``.
@@ -45,6 +58,14 @@ class ParkKind(StrEnum):
     REFUSED = "refused"  # the broker refused a publish (missing exchange, access, ...)
     TOO_LARGE = "too_large"  # its properties cannot be re-published (frame size, type)
     UNDECODABLE = "undecodable"  # its properties cannot be decoded
+    INTERNAL_TARGET = "internal_target"  # its target is one of hopsched's own objects
+    UNSIGNED = "unsigned"  # no signature, and the relay requires one
+    BAD_SIGNATURE = "bad_signature"  # its signature does not verify (forged, altered, unknown key)
+
+
+#: Parked kinds a relay notes in the cancel stream for ``hopsched status`` (a forgery,
+#: or a target inside hopsched's own namespace).
+NOTICED = frozenset({ParkKind.INTERNAL_TARGET, ParkKind.UNSIGNED, ParkKind.BAD_SIGNATURE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +102,14 @@ class Decider:
             whose ``user_id`` is another (https://www.rabbitmq.com/docs/validated-user-id).
         targets: the allow list (``Settings.allowed_targets``).
         retry_for_us: how long a target may refuse a message before it is parked, µs.
+        signatures: the keys envelopes are verified with, and whether one is required.
     """
 
     ladder: Ladder
     login: str
     targets: TargetPolicy
     retry_for_us: int
+    signatures: Signatures
 
     def decide(
         self,
@@ -96,6 +119,7 @@ class Decider:
         *,
         crowded: bool,
         margin_ms: int,
+        body: bytes,
         cancellations: Cancellations | None = None,
     ) -> Park | Cancel | Route:
         """Park, hop or hold a delivery arriving at ``now_us`` (µs since the epoch).
@@ -103,6 +127,7 @@ class Decider:
         Args:
             headers: the delivery's headers.
             user_id: its ``user_id`` property.
+            body: its body (a signature covers its SHA-256).
             crowded: the relay holds as many messages as it should: hop whatever a step
                 fits, with the configured margin, so its prefetch frees up for deliveries
                 due now (a learnt margin grows with the relay's own backlog and would keep
@@ -114,6 +139,16 @@ class Decider:
             envelope = Envelope.from_headers(headers)
         except EnvelopeError as error:
             return Park(f"malformed envelope: {error.reason}", ParkKind.MALFORMED)
+        # A hop only moves a message along hopsched's own ladder: the MAC is checked
+        # before the relay acts on the content (holds it for delivery, signs it anew),
+        # the rest of the signature (present if required, of a key held) at every visit.
+        checked = self.signatures.check_envelope(envelope, body, verify_mac=False)
+        if isinstance(checked, Refusal):
+            return Park(checked.reason, ParkKind(checked.kind))
+        envelope = checked
+        verified = False
+        if refusal := self.targets.internal(envelope.exchange, envelope.routing_key):
+            return Park(refusal, ParkKind.INTERNAL_TARGET)
         if user_id is not None and user_id != self.login:
             return Park(
                 f"user_id {user_id!r} is not this relay's login {self.login!r}: RabbitMQ "
@@ -123,12 +158,16 @@ class Decider:
             )
         if cancellations is not None:
             verdict = cancellations.verdict(
-                envelope.schedule_id, envelope.created_us, envelope.due_us
+                envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
             )
             if verdict == CANCEL:
                 return Cancel(envelope)
             if isinstance(verdict, int):
-                envelope = dataclasses.replace(envelope, due_us=verdict)
+                if forged := self._forged(envelope, body):
+                    return forged
+                verified = True
+                moved = dataclasses.replace(envelope, due_us=verdict)
+                envelope = self.signatures.resigned(moved, body)
         if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
             return Park(refusal, ParkKind.NOT_ALLOWED)
         if envelope.expiration is not None:
@@ -140,7 +179,16 @@ class Decider:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hold_window_ms=0)
         else:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms)
+        if isinstance(plan, Hold) and not verified and (forged := self._forged(envelope, body)):
+            return forged
         return Route(envelope, plan)
+
+    def _forged(self, envelope: Envelope, body: bytes) -> Park | None:
+        """A Park if the envelope's MAC does not verify (None: it does, or is unsigned)."""
+        checked = self.signatures.check_envelope(envelope, body)
+        return (
+            Park(checked.reason, ParkKind(checked.kind)) if isinstance(checked, Refusal) else None
+        )
 
     def after_refusal(self, envelope: Envelope, now_us: int, refusal: str) -> Park | Hop:
         """The target refused the final publish at ``now_us``: wait a hop, or park.

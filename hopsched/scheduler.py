@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ from hopsched.cancel import CANCEL, RESCHEDULE, Record, encode_records
 from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import Connector
 from hopsched.errors import (
+    AccessRefusedError,
     BrokerConnectionLost,
     BrokerUnavailableError,
     ChannelClosedError,
@@ -174,6 +176,7 @@ class Scheduler:
         self._ladder = self.settings.ladder
         self._clock = clock
         self._targets = self.settings.target_policy
+        self._signatures = self.settings.signatures
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
@@ -240,15 +243,23 @@ class Scheduler:
         """Declare every queue but the cancellation stream (scheduling must not wait on
         it: cancel declares it); without ``create`` only if the relay queue exists.
 
+        A user that may not declare (the producer's grant, docs/security.md) schedules
+        on a prefix that exists: its relays declare what is missing.
+
         Raises:
             PrefixNotDeclaredError: without ``create``, no relay queue.
         """
-        await declare_topology(
-            self.settings,
-            self.topology.queues_but_stream(),
-            first=self._connector.url,
-            existing=not create,
-        )
+        try:
+            await declare_topology(
+                self.settings,
+                self.topology.queues_but_stream(),
+                first=self._connector.url,
+                existing=not create,
+            )
+        except AccessRefusedError:
+            if create:
+                raise
+            # (without create, declare_topology found the relay queue first: it exists)
         self._declared = True
 
     async def _declare(self, names: Iterable[str]) -> None:
@@ -296,7 +307,8 @@ class Scheduler:
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
                 both/neither of at/delay, a routing key or exchange longer than 255
-                bytes, a target ``Settings.allowed_targets`` does not allow, a header or
+                bytes, a target ``Settings.allowed_targets`` does not allow or one of
+                hopsched's own objects (exchange or queue ``{prefix}.…``), a header or
                 ``expiration`` AMQP or RabbitMQ cannot carry, headers too large for one
                 frame, a ``user_id`` other than the login.
             BrokerUnavailableError: no broker answers; ``BrokerConnectionLost`` (a
@@ -379,6 +391,10 @@ class Scheduler:
     async def cancel(self, schedule: str | Scheduled, *, due: datetime | None = None) -> Cancelled:
         """Cancel a schedule: its messages scheduled before now are not delivered.
 
+        With ``Settings.signing_keys`` the cancel is signed with each key and reaches the
+        messages signed with one of them; without, the unsigned ones only (where the
+        relays hold keys; docs/security.md).
+
         Args:
             schedule: the schedule id, or what ``schedule()`` returned (which gives the
                 due time too).
@@ -425,7 +441,8 @@ class Scheduler:
         delay: timedelta | float | None = None,
     ) -> Scheduled:
         """Move a schedule's messages (those scheduled before now) to a new due time,
-        without sending them again.
+        without sending them again (signed as ``cancel()`` is, and reaching the same
+        messages).
 
         A later time holds in every case. An earlier one takes effect at the message's
         next visit to a relay: at once if a relay holds it (the last
@@ -462,9 +479,11 @@ class Scheduler:
         stream = self.topology.cancel_stream
         if not self._stream_declared:
             await self._connected()  # first: a prefix that does not exist is refused
-            await self._declare([stream])
+            with contextlib.suppress(AccessRefusedError):  # a producer: the relays declared it
+                await self._declare([stream])
             self._stream_declared = True
         properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)
+        records = self._signatures.sign_records(records)
         writes = [
             _Prepared(
                 encode_records(records[start : start + _RECORDS_PER_MESSAGE]),
@@ -494,7 +513,7 @@ class Scheduler:
     def _check(self, request: ScheduleRequest) -> Checked:
         """Check a call (``prepare.check_request``), or raise InvalidScheduleError."""
         publisher = self._publisher
-        return check_request(
+        checked = check_request(
             request,
             now_us=self._clock(),
             ladder=self._ladder,
@@ -503,6 +522,8 @@ class Scheduler:
             login=self.settings.login,
             frame_max=publisher.connection.frame_max if publisher is not None else 131_072,
         )
+        checked.envelope = self._signatures.sign_envelope(checked.envelope, checked.body)
+        return checked
 
     def _build(self, checked: Checked) -> _Prepared:
         """Encode a checked call's publish, or raise InvalidScheduleError."""

@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from hopsched.errors import InvalidSettingsError
 from hopsched.ladder import Ladder
+from hopsched.signing import Signatures, SigningKey, parse_signing_keys
 from hopsched.targets import TargetPolicy
 
 __all__ = ["QueueType", "Settings", "mask_url", "split_urls"]
@@ -219,6 +220,14 @@ class Settings:
             HTTP; see docs/operations.md, "Metrics"); 0 (the default): no endpoint.
         metrics_address: the address it listens on: ``127.0.0.1`` (the default, this
             machine only) or e.g. ``0.0.0.0`` / ``::`` for every interface.
+        signing_keys: keys (``SigningKey``, or ``KEY-ID:SECRET`` text with the secret in
+            base64) that sign envelopes and records: the first signs, every one verifies
+            (several during a rotation). Empty (the default): nothing is signed or
+            verified. Never shown: ``repr()`` and errors give key ids only. See
+            docs/security.md.
+        require_signatures: a relay parks unsigned envelopes and ignores unsigned records
+            (False by default, so that a deployment can add keys to every process first);
+            needs ``signing_keys``.
 
     Raises:
         InvalidSettingsError: a value is out of range; the message says which and why.
@@ -239,6 +248,8 @@ class Settings:
     allowed_targets: tuple[str, ...] = ()
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
+    signing_keys: tuple[SigningKey | str, ...] = ()
+    require_signatures: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _join_urls(self.url))
@@ -289,6 +300,11 @@ class Settings:
             )
         object.__setattr__(self, "allowed_targets", tuple(self.allowed_targets))
         self.target_policy  # noqa: B018 - validates the patterns
+        object.__setattr__(self, "signing_keys", parse_signing_keys(self.signing_keys))
+        object.__setattr__(
+            self, "require_signatures", _flag("require_signatures", self.require_signatures)
+        )
+        self.signatures  # noqa: B018 - a requirement without keys
 
     def __repr__(self) -> str:
         values = ", ".join(
@@ -310,7 +326,13 @@ class Settings:
     @property
     def target_policy(self) -> TargetPolicy:
         """The allow list ``allowed_targets`` describes."""
-        return TargetPolicy(self.allowed_targets)
+        return TargetPolicy(self.allowed_targets, self.prefix)
+
+    @property
+    def signatures(self) -> Signatures:
+        """The signing keys and requirement, for this prefix (``hopsched.signing``)."""
+        keys = cast(tuple[SigningKey, ...], self.signing_keys)  # parsed in __post_init__
+        return Signatures(keys, self.prefix, required=self.require_signatures)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -339,7 +361,8 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Settings from ``HOPSCHED_<FIELD>`` variables (e.g. ``HOPSCHED_URL``,
         ``HOPSCHED_PREFIX``, ``HOPSCHED_QUEUE_TYPE``, ``HOPSCHED_PREFETCH``;
-        ``HOPSCHED_ALLOWED_TARGETS`` is comma-separated), then ``overrides`` whose value
+        ``HOPSCHED_ALLOWED_TARGETS`` and ``HOPSCHED_SIGNING_KEYS`` are comma-separated;
+        ``HOPSCHED_REQUIRE_SIGNATURES`` is true or false), then ``overrides`` whose value
         is not None.
 
         Raises:
@@ -363,6 +386,18 @@ class Settings:
                 ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _flag(name: str, value: object) -> bool:
+    """A bool field from a bool or its environment variable's text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidSettingsError(f"{name} {value!r}: use true or false (1 or 0)")
 
 
 def _join_urls(url: object) -> str:

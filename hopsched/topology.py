@@ -7,7 +7,7 @@ import re
 import shlex
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aio_pika
 import aiormq
@@ -32,6 +32,7 @@ __all__ = [
     "LEADER_LOCATOR",
     "PARKED_DELIVERY_LIMIT",
     "RELAY_DELIVERY_LIMIT",
+    "ROLES",
     "HeldCounter",
     "Permissions",
     "Progress",
@@ -44,6 +45,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("hopsched.topology")
+
+#: Who holds a grant (``Topology.permissions``; docs/security.md says what each may do).
+Role = Literal["producer", "relay", "operator"]
+ROLES: tuple[Role, ...] = ("producer", "relay", "operator")
 
 #: Every step queue dead-letters with this routing key, whatever key the message had.
 DEAD_LETTER_ROUTING_KEY = "expired"
@@ -230,28 +235,58 @@ class Topology:
         while it declares them anew (``HOLDING_SUFFIX``); none exists but during one."""
         return tuple(f"{name}{HOLDING_SUFFIX}" for name in (self.relay_queue, self.parked_queue))
 
-    def permissions(self, target_exchanges: Iterable[str] = ()) -> Permissions:
-        """The least a scheduler and relay on this prefix need, delivering to
-        ``target_exchanges`` ("" is the default exchange).
+    def permissions(self, role: Role, target_exchanges: Iterable[str] = ()) -> Permissions:
+        """The narrowest grant RabbitMQ can express for ``role`` on this prefix (see
+        https://www.rabbitmq.com/docs/access-control for what each operation needs).
 
-        * configure: declare the prefix's queues and exchange;
-        * write: publish to ``amq.default`` (hops, parking, targets on the default
-          exchange), to ``{prefix}.expired`` (messages due at once) and to the target
-          exchanges; bind ``{prefix}.relay``;
-        * read: consume ``{prefix}.relay`` and ``{prefix}.cancelled``, get
-          ``{prefix}.parked``, bind from
-          ``{prefix}.expired``, and declare step queues: a queue with a dead-letter
-          exchange needs read on itself and write on that exchange
-          (https://www.rabbitmq.com/docs/dlx#security).
+        * ``"producer"`` (``schedule()``, ``cancel()``, ``reschedule()``): write on
+          ``amq.default`` (first hops into the steps, records into the cancel stream) and
+          on ``{prefix}.expired`` (a message due at once); no configure and no read: it
+          can neither delete nor read a queue of the prefix (a Scheduler on it declares
+          nothing; ``Scheduler(declare=True)`` needs the operator's grant).
+        * ``"relay"``: configure on the prefix's objects (it declares them, and again any
+          deleted at runtime); write on ``amq.default`` (hops, parking, markers, targets
+          on the default exchange), ``{prefix}.expired`` (a step queue's dead-letter
+          exchange), ``{prefix}.relay`` (its binding) and ``target_exchanges`` ("" is the
+          default exchange); read on the steps (a queue with a dead-letter exchange needs
+          read on itself, https://www.rabbitmq.com/docs/dlx#security), the relay queue,
+          the stream and ``{prefix}.expired`` (the binding): not on the parking queue.
+        * ``"operator"`` (declare, status, teardown, upgrade, parked list and replay,
+          cancel and reschedule): configure and read on every object of the prefix and
+          on ``upgrade``'s holding queues; write on ``amq.default``, ``{prefix}.expired``
+          and the relay and holding queues (bindings).
 
-        Write on ``amq.default`` reaches every queue of the vhost by name: limit final
-        targets with ``Settings.allowed_targets`` (relay ``--allow-target``).
+        Write on ``amq.default`` reaches every queue of the vhost by name, and RabbitMQ
+        cannot limit it by routing key (topic permissions apply to topic exchanges only,
+        https://www.rabbitmq.com/docs/access-control#topic-authorisation): limit final
+        targets with ``Settings.allowed_targets`` and authenticate what reaches the
+        prefix's queues with ``Settings.signing_keys`` (docs/security.md).
+
+        Raises:
+            ValueError: ``role`` is not one of ``ROLES``.
         """
         prefix = re.escape(self.prefix) + r"\."
-        targets = sorted({re.escape(name) for name in target_exchanges if name})
-        write = "|".join([rf"{prefix}(expired|relay)", r"amq\.default", *targets])
-        own = rf"^{prefix}(step\.[0-9]+|expired|relay|parked|cancelled)$"
-        return Permissions(configure=own, write=f"^({write})$", read=own)
+        own = r"step\.[0-9]+|expired|relay|parked|cancelled"
+        holds = "|".join(
+            re.escape(name.removeprefix(self.prefix + ".")) for name in self.holding_queues
+        )
+        if role == "producer":
+            return Permissions(
+                configure="^$", write=rf"^(amq\.default|{prefix}expired)$", read="^$"
+            )
+        if role == "relay":
+            targets = sorted({re.escape(name) for name in target_exchanges if name})
+            write = "|".join([r"amq\.default", rf"{prefix}(expired|relay)", *targets])
+            return Permissions(
+                configure=rf"^{prefix}({own})$",
+                write=f"^({write})$",
+                read=rf"^{prefix}(step\.[0-9]+|expired|relay|cancelled)$",
+            )
+        if role == "operator":
+            every = rf"^{prefix}({own}|{holds})$"
+            write = rf"^(amq\.default|{prefix}(expired|relay|{holds}))$"
+            return Permissions(configure=every, write=write, read=every)
+        raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
 
     def _queue_arguments(self) -> dict[str, Any]:
         return {"x-queue-type": self.queue_type}
@@ -348,9 +383,11 @@ class Topology:
             except aiormq.exceptions.ChannelAccessRefused as error:
                 raise AccessRefusedError(
                     f"declaring {declaring!r}: {error.args[0] if error.args else error}. "
-                    f"Every hopsched process declares its prefix's queues and exchange, so "
-                    f"its user needs configure, write and read permission on "
-                    f"'^{re.escape(self.prefix)}\\.' (rabbitmqctl set_permissions)"
+                    "Declaring the prefix's queues and exchange (a relay, `hopsched "
+                    "declare`) needs configure permission on them, and read and write for "
+                    "their dead-lettering: give this user the relay's or the operator's grant "
+                    f"(hopsched permissions --prefix {self.prefix} --role relay|operator); "
+                    "a producer's grant declares nothing"
                 ) from None
             except (aiormq.exceptions.AMQPError, ConnectionError) as error:
                 # e.g. 404 "home node ... is down or inaccessible" while a restarted node

@@ -49,6 +49,7 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
         "cancelled": 1,
         "rejected": 0,
         "cancel_records": 5,
+        "unsigned_envelopes": 0,
         "reconnects": 0,
     }
     assert snapshot.parked_by_kind == {kind: int(kind is ParkKind.UNROUTABLE) for kind in ParkKind}
