@@ -28,7 +28,7 @@ async def main(
     rng = random.Random(seed)
     pipeline = Pipeline(IN_FLIGHT)
     failures = 0
-    async with hopsched.Scheduler(settings) as scheduler:
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
 
         async def one(index: int) -> None:
             nonlocal failures

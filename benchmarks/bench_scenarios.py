@@ -148,35 +148,54 @@ async def relay_hops(
     *,
     relay_args: tuple[str, ...] = (),
     stamped: bool = False,
+    signing_key: str | None = None,
+    deliver: bool = False,
 ) -> dict[str, Any]:
     """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start ``relays`` relay
     processes on it (competing consumers of the one relay queue; ``relay_args``: more
     relay options), and time them until every envelope sits in the step queue it hops
     to (exactly one hop each). ``stamped``: the envelopes carry a relay's hop stamp, so
-    the relay measures each one's overshoot too, as it does for hops it made."""
-    settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch)
+    the relay measures each one's overshoot too, as it does for hops it made.
+    ``signing_key`` (``KEY-ID:SECRET``): the envelopes are signed with it, and the relay
+    holds it and requires signatures (``HOPSCHED_SIGNING_KEYS``,
+    ``HOPSCHED_REQUIRE_SIGNATURES``). ``deliver``: the envelopes are due already and
+    the relay delivers each to the queue ``{prefix}-target`` instead (the final publish,
+    where a relay verifies a signature's MAC)."""
+    keys = () if signing_key is None else (signing_key,)
+    settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch, signing_keys=keys)
+    relay_env = dict(os.environ)
+    if signing_key is not None:
+        relay_env |= {"HOPSCHED_SIGNING_KEYS": signing_key, "HOPSCHED_REQUIRE_SIGNATURES": "1"}
+    body = b"x" * 64
     topology = hopsched.Topology.from_settings(settings)
     due_us = now_us() + 3600 * 1_000_000
     step = settings.ladder.plan(now_us=now_us(), due_us=due_us)
     assert isinstance(step, hopsched.Hop)
     step_queue = topology.step_queue(step.step_ms)
-    label = f"relay hops x{relays}"
+    target = f"{prefix}-x"
+    if deliver:
+        due_us = now_us()
+        step_queue = target  # where the relay's work ends
+    label = f"relay {'deliveries' if deliver else 'hops'} x{relays}"
     connection = await aio_pika.connect(url, name="bench-relay-fill")
     processes: list[asyncio.subprocess.Process] = []
     samplers: list[ProcessSampler] = []
     try:
         await topology.declare(connection)
         channel = await connection.channel(publisher_confirms=True)
+        if deliver:
+            await channel.declare_queue(target, durable=True)
 
         def envelope(index: int) -> aio_pika.Message:
-            headers = hopsched.Envelope(
-                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=f"{prefix}.x"
-            ).to_headers()
+            unsigned = hopsched.Envelope(
+                schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=target
+            )
+            headers = settings.signatures.sign_envelope(unsigned, body).to_headers()
             if stamped:  # the TTL of a hop ran out 2 ms ago
                 headers[HEADER_HOP_EXPIRES] = now_us() - 2_000
                 headers[HEADER_HOP_CLOCK] = RELAY_CLOCK
             return aio_pika.Message(
-                b"x" * 64, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+                body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             )
 
         await _fill(channel, topology.relay_queue, count, envelope, progress, label)
@@ -184,6 +203,7 @@ async def relay_hops(
             relay = await asyncio.create_subprocess_exec(
                 *relay_command(url, prefix, prefetch, "quorum", *relay_args),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                env=relay_env,
             )  # fmt: skip
             processes.append(relay)
             samplers.append(ProcessSampler(relay.pid, interval_s=0.2))
@@ -237,7 +257,7 @@ async def relay_hops(
             await sampler.stop()
         await asyncio.gather(*(stop_process(relay, 30.0) for relay in processes))
         async with connection.channel() as channel:
-            for name in topology.queues():
+            for name in [*topology.queues(), target]:
                 await channel.queue_delete(name)
             await channel.exchange_delete(topology.expired_exchange)
         await connection.close()
@@ -260,9 +280,9 @@ async def _schedule_bulk(
         return {"how": how, "available": False, "reason": "not in this hopsched"}
     settings = hopsched.Settings(url=url, prefix=prefix)
     topology = hopsched.Topology.from_settings(settings)
-    body, delay, target = b"x" * 64, timedelta(hours=1), f"{prefix}.target"
+    body, delay, target = b"x" * 64, timedelta(hours=1), f"{prefix}-target"
     try:
-        async with hopsched.Scheduler(settings) as scheduler:
+        async with hopsched.Scheduler(settings, declare=True) as scheduler:
             cpu_before, started = time.process_time(), time.monotonic()
             if many:
                 for start in range(0, count, BURST_BATCH):

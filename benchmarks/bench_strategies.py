@@ -97,7 +97,7 @@ class Strategy:
         self.node_url = split_urls(url)[0]  # for the benchmark's own aio-pika connections
         self.prefetch = prefetch
         self.prefix = f"hopsched-bench-{self.name}-{run_id}"
-        self.target_queue = f"{self.prefix}.target"
+        self.target_queue = f"{self.prefix}-target"  # hopsched refuses its own {prefix}.…
         self.queues: list[str] = [self.target_queue]
         self.exchanges: list[str] = []
         self.process: asyncio.subprocess.Process | None = None
@@ -265,7 +265,7 @@ class Hopsched(Strategy):
         self.scheduler: hopsched.Scheduler | None = None
 
     async def _declare(self, channel: aio_pika.abc.AbstractChannel) -> None:
-        self.scheduler = hopsched.Scheduler(self.settings)
+        self.scheduler = hopsched.Scheduler(self.settings, declare=True)
         await self.scheduler.__aenter__()
 
     def _process_command(self) -> list[str]:

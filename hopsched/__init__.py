@@ -15,17 +15,23 @@ from hopsched.errors import (
     HopschedError,
     InvalidScheduleError,
     InvalidSettingsError,
+    MessageTooLargeError,
     MetricsEndpointError,
+    PrefixNotDeclaredError,
     PublishRejectedError,
     PublishTimeoutError,
+    TargetCheckError,
     TargetRefused,
     TopologyMismatchError,
     Unroutable,
+    UnroutableTargetError,
 )
 from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.prepare import ScheduleRequest
 from hopsched.relay import Relay
-from hopsched.scheduler import Scheduled, Scheduler, ScheduleRequest
+from hopsched.scheduler import Scheduled, Scheduler
 from hopsched.settings import Settings, mask_url
+from hopsched.signing import SigningKey
 from hopsched.stats import RelayStats
 from hopsched.topology import Topology
 
@@ -43,8 +49,10 @@ __all__ = [
     "InvalidScheduleError",
     "InvalidSettingsError",
     "Ladder",
+    "MessageTooLargeError",
     "MetricsEndpointError",
     "ParkKind",
+    "PrefixNotDeclaredError",
     "PublishRejectedError",
     "PublishTimeoutError",
     "Relay",
@@ -53,9 +61,12 @@ __all__ = [
     "Scheduled",
     "Scheduler",
     "Settings",
+    "SigningKey",
+    "TargetCheckError",
     "TargetRefused",
     "Topology",
     "TopologyMismatchError",
     "Unroutable",
+    "UnroutableTargetError",
     "mask_url",
 ]

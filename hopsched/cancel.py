@@ -11,6 +11,11 @@ by the clocks of the two producers: a message scheduled again with the same id a
 cancel is a new schedule and is delivered. A reschedule moves those messages to a new
 due time.
 
+A record changes only the schedules of its signer: with signing keys
+(``hopsched.signing``) a relay keys each record by the key id that verified it and a
+message by the key id that verified its envelope, and an unsigned record reaches unsigned
+messages only. Without keys every record and message counts as unsigned.
+
 Records are kept until their schedule can no longer come by. Until a relay has met
 the message, that is ``retention_us`` after the record, which is at least the top step:
 every pending message visits a relay at least that often, so it meets the record while
@@ -23,16 +28,19 @@ have left on the ladder.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "CANCEL",
     "GRACE_US",
     "MARKER",
+    "PARKED",
     "RESCHEDULE",
     "Cancellations",
     "Record",
+    "RecordTally",
     "decode_records",
     "encode_records",
 ]
@@ -40,6 +48,10 @@ __all__ = [
 CANCEL, RESCHEDULE = "cancel", "reschedule"
 #: A record a relay writes and reads back to know it has read every record before it.
 MARKER = "marker"
+#: A relay's notice that it parked a message for its signature or its target (``kind``,
+#: a ParkKind): read by ``hopsched status``, applied to nothing.
+PARKED = "parked"
+_OPS = frozenset({CANCEL, RESCHEDULE, MARKER, PARKED})
 #: How long past its due time a record is kept, µs: a relay crash can leave a second copy
 #: of a message on the ladder, which must meet the record too.
 GRACE_US = 3_600_000_000
@@ -47,52 +59,121 @@ GRACE_US = 3_600_000_000
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One cancel or reschedule.
+    """One cancel or reschedule (or a relay's marker or notice).
 
     Attributes:
-        op: ``"cancel"``, ``"reschedule"``, or a relay's ``"marker"``.
+        op: ``"cancel"``, ``"reschedule"``, a relay's ``"marker"`` or ``"parked"``.
         schedule_id: the schedule it applies to.
         at_us: when it was made, µs since the epoch (the canceller's clock): it applies
             to messages created before.
         due_us: a reschedule's new due time; a cancel's due time if the canceller knew it.
+        kind: a ``"parked"`` notice's ParkKind; None otherwise.
+        key_id, mac: its signature (``hopsched.signing``): the signing key's id and the
+            HMAC, 64 hex digits; None if unsigned.
     """
 
     op: str
     schedule_id: str
     at_us: int
     due_us: int | None = None
+    kind: str | None = None
+    key_id: str | None = None
+    mac: str | None = None
+
+
+@dataclass
+class RecordTally:
+    """What a reading of ``{prefix}.cancelled`` met, by signature (a relay's, or
+    ``hopsched status``'s).
+
+    Attributes:
+        signed: cancel and reschedule records whose signature verified.
+        unsigned: those without a signature, accepted (signatures not required): they
+            reach unsigned messages only.
+        refused: records ignored, by why: ``"unsigned"`` (signatures required),
+            ``"bad_signature"`` (forged, altered, or an unknown key), ``"relayed"``
+            (stream messages a relay delivered there, counted per message).
+        parked: relays' notices of messages parked for their signature or target, by
+            ParkKind.
+        checked: False if the reader held no keys: signatures were not verified, and
+            ``signed`` counts the records that carry one.
+    """
+
+    signed: int = 0
+    unsigned: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    parked: Counter[str] = field(default_factory=Counter)
+    checked: bool = True
+
+    def count(self, record: Record) -> None:
+        """Count an accepted record (a verified one has its ``key_id``)."""
+        if record.op == PARKED:
+            self.parked[record.kind or "?"] += 1
+        elif record.op == CANCEL or record.op == RESCHEDULE:
+            if record.key_id is None:
+                self.unsigned += 1
+            else:
+                self.signed += 1
 
 
 def encode_records(records: Iterable[Record]) -> bytes:
-    """Records as a stream message's body: one JSON object per line."""
-    return b"".join(
-        json.dumps(
-            {"op": r.op, "id": r.schedule_id, "at": r.at_us, "due": r.due_us},
-            ensure_ascii=False,
-            separators=(",", ":"),
-        ).encode()
-        + b"\n"
-        for r in records
-    )
+    """Records as a stream message's body: one JSON object per line, with keys ``op``,
+    ``id``, ``at``, ``due`` and, when set, ``kind``, ``kid`` and ``mac``."""
+    lines = []
+    for r in records:
+        fields: dict[str, object] = {
+            "op": r.op,
+            "id": r.schedule_id,
+            "at": r.at_us,
+            "due": r.due_us,
+        }
+        if r.kind is not None:
+            fields["kind"] = r.kind
+        if r.key_id is not None:
+            fields["kid"] = r.key_id
+        if r.mac is not None:
+            fields["mac"] = r.mac
+        lines.append(json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode())
+    return b"".join(line + b"\n" for line in lines)
 
 
 def decode_records(body: bytes) -> Iterator[Record]:
     """The records of a stream message's body; a line that is not one is skipped (a
-    newer hopsched's record, or noise: a relay must never stop on its stream)."""
+    newer hopsched's record, or noise: a relay must never stop on its stream). Fields
+    this version does not know are ignored."""
     for line in body.splitlines():
         try:
             fields = json.loads(line)
-            record = Record(fields["op"], fields["id"], fields["at"], fields.get("due"))
-        except (ValueError, KeyError, TypeError):
+            record = Record(
+                fields["op"],
+                fields["id"],
+                fields["at"],
+                fields.get("due"),
+                fields.get("kind"),
+                fields.get("kid"),
+                fields.get("mac"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
         if (
-            record.op in (CANCEL, RESCHEDULE, MARKER)
+            record.op in _OPS
             and isinstance(record.schedule_id, str)
             and type(record.at_us) is int
             and (record.due_us is None or type(record.due_us) is int)
             and (record.op != RESCHEDULE or record.due_us is not None)
+            and all(
+                v is None or isinstance(v, str) for v in (record.kind, record.key_id, record.mac)
+            )
         ):
             yield record
+
+
+def _key(schedule_id: str, owner: str | None) -> bytes:
+    """A record's or message's key: its signer's key id (none: unsigned) and its id. An
+    unsigned key starts with NUL, a key id never holds one: no two keys coincide."""
+    if owner is None:
+        return b"\0" + schedule_id.encode()
+    return owner.encode() + b"\0" + schedule_id.encode()
 
 
 class Cancellations:
@@ -102,8 +183,9 @@ class Cancellations:
         retention_us: how long a record whose schedule's due time is unknown is kept.
 
     Memory: a cancel no relay has met the message of (the common case) is one entry
-    keyed by the id's UTF-8 bytes with its instant as the value, about 180 bytes for a
-    32-character id (``tests/test_cancel_records.py``); the others keep a tuple.
+    keyed by the id's UTF-8 bytes (after its signer's key id and a NUL) with its instant
+    as the value, about 180 bytes for a 32-character id (``tests/test_cancel_records.py``);
+    the others keep a tuple.
     """
 
     def __init__(self, retention_us: int) -> None:
@@ -122,11 +204,13 @@ class Cancellations:
         return self._timed.get(key)
 
     def apply(self, record: Record) -> None:
-        """Add a record; of two for one id, the later one (by ``at_us``) stands. A
-        marker is none of its business."""
-        if record.op == MARKER:
+        """Add a verified record (``Signatures.check_record``): it applies to the
+        messages of its id signed with its ``key_id`` (None: the unsigned ones). Of two
+        for one id and signer, the later one (by ``at_us``) stands. A marker or a
+        notice is none of its business."""
+        if record.op != CANCEL and record.op != RESCHEDULE:
             return
-        key = record.schedule_id.encode()
+        key = _key(record.schedule_id, record.key_id)
         known = self._known(key)
         if known is not None and record.at_us < known[1]:
             return
@@ -141,16 +225,19 @@ class Cancellations:
             until = max(record.at_us + self.retention_us, record.due_us + GRACE_US)
             self._timed[key] = (RESCHEDULE, record.at_us, record.due_us, until)
 
-    def verdict(self, schedule_id: str, created_us: int, due_us: int) -> str | int | None:
-        """What applies to a message created at ``created_us`` and due at ``due_us``:
-        ``CANCEL``, a new due time (µs), or None.
+    def verdict(
+        self, schedule_id: str, created_us: int, due_us: int, owner: str | None
+    ) -> str | int | None:
+        """What applies to a message created at ``created_us`` and due at ``due_us``,
+        whose envelope the key ``owner`` signed (None: unsigned): ``CANCEL``, a new due
+        time (µs), or None.
 
         The record learns the message's due time here, so that it is forgotten once
         that (and a reschedule's own due time) has passed.
         """
         if not self._cancelled and not self._timed:
             return None
-        key = schedule_id.encode()
+        key = _key(schedule_id, owner)
         known = self._known(key)
         if known is None or known[1] < created_us:
             return None

@@ -5,6 +5,12 @@ resumes the stream at the offset the last one reached (the first starts at the
 stream's first record), and ``follow`` returns only once the reading has caught up
 with every record written before it was called. A relay must not deliver a message for
 want of a cancel it had not read, so it consumes its queue only after that.
+
+Every record is checked (``Signatures.check_record``) before it is applied; one that
+fails is ignored and counted in a ``RecordTally``, as is a whole stream message that a
+relay *delivered* there (it carries ``x-hopsched-id``: a target routed into the stream
+through a binding hopsched cannot see). ``tally_records`` reads the whole stream the
+same way for ``hopsched status``.
 """
 
 from __future__ import annotations
@@ -18,11 +24,25 @@ from typing import Any
 
 from hopsched import amqp
 from hopsched.acks import Acker
-from hopsched.cancel import MARKER, Cancellations, Record, decode_records, encode_records
+from hopsched.cancel import (
+    MARKER,
+    PARKED,
+    Cancellations,
+    Record,
+    RecordTally,
+    decode_records,
+    encode_records,
+)
+from hopsched.clock import now_us
+from hopsched.connect import Connector
+from hopsched.envelope import HEADER_ID
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
 from hopsched.publisher import LADDER_LANE, Publisher
+from hopsched.settings import Settings
+from hopsched.signing import Refusal, Signatures
+from hopsched.topology import Topology
 
-__all__ = ["CancelReader"]
+__all__ = ["CATCH_UP_TIMEOUT_S", "RELAYED", "CancelReader", "tally_records"]
 
 log = logging.getLogger("hopsched.relay")
 
@@ -30,6 +50,10 @@ log = logging.getLogger("hopsched.relay")
 #: holds up to 1,000 records.
 _PREFETCH = 2000
 _PERSISTENT = amqp.Properties(delivery_mode=2).encode()
+
+#: ``RecordTally.refused`` key: a stream message a relay delivered there (a target bound
+#: to the stream), whose records are ignored.
+RELAYED = "relayed"
 
 #: How long ``follow`` waits to read its marker back, s. 1,000,000 records take ~6 s
 #: here; a stream consumer that gets nothing for this long (seen on RabbitMQ 3.10 when
@@ -43,15 +67,25 @@ class CancelReader:
 
     Args:
         stream: the stream's name, ``{prefix}.cancelled``.
-        cancellations: where each record read is applied.
+        cancellations: where each record read is applied (None: count them only).
         clock: µs since the epoch (the marker's instant).
-
+        signatures: the keys records are checked with, and whether one is required.
+        tally: where the records read are counted, by signature.
     """
 
-    def __init__(self, stream: str, cancellations: Cancellations, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        stream: str,
+        cancellations: Cancellations | None,
+        clock: Callable[[], int],
+        signatures: Signatures,
+        tally: RecordTally,
+    ) -> None:
         self.stream = stream
         self.cancellations = cancellations
         self.clock = clock
+        self.signatures = signatures
+        self.tally = tally
         self._offset: int | str = "first"  # where the next connection resumes
 
     async def follow(
@@ -92,14 +126,24 @@ class CancelReader:
             offset = headers.get("x-stream-offset") if headers is not None else None
             if type(offset) is int:
                 self._offset = offset + 1
+            if headers is not None and HEADER_ID in headers:
+                self.tally.refused[RELAYED] += 1  # a relay delivered it here: no record
+                return
             for record in decode_records(delivery.body):
                 if record.op == MARKER:
                     if record.schedule_id == marker:
                         caught_up.set()
                     continue
-                self.cancellations.apply(record)
+                checked = self.signatures.check_record(record)
+                if isinstance(checked, Refusal):
+                    self.tally.refused[checked.kind] += 1
+                    continue
+                self.tally.count(checked if self.signatures.enabled else record)
+                if checked.op == PARKED or self.cancellations is None:
+                    continue
+                self.cancellations.apply(checked)
                 read += 1
-                on_record(record.schedule_id)
+                on_record(checked.schedule_id)
 
         def cancelled(_: Any) -> None:
             if not lost.done():
@@ -145,10 +189,62 @@ class CancelReader:
                 f"{self.stream} gave nothing back for {CATCH_UP_TIMEOUT_S:.0f} s after this "
                 f"relay's marker record (read {read} records meanwhile)"
             )
-        log.info(
+        log.log(
+            logging.INFO if self.cancellations is not None else logging.DEBUG,
             "read %d cancel and reschedule records in %.1f s (%d pending)",
             read,
             time.monotonic() - started,
-            len(self.cancellations),
+            len(self.cancellations or ()),
         )
+        if ignored := sum(self.tally.refused.values()):
+            log.warning(
+                "ignored %d records of %s so far for their signature or origin (%s)",
+                ignored,
+                self.stream,
+                ", ".join(f"{kind} {count}" for kind, count in sorted(self.tally.refused.items())),
+            )
         return lost
+
+    def note_parked(self, publisher: Publisher, schedule_id: str, kind: str) -> None:
+        """Append a notice that this relay parked ``schedule_id``'s message for its
+        signature or target (``kind``), for ``hopsched status``; signed with the first key.
+        Not confirmed: a notice lost in a crash costs a count, never a message."""
+        record = self.signatures.sign_notice(Record(PARKED, schedule_id, self.clock(), kind=kind))
+
+        def written(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is not amqp.Outcome.ACK:
+                log.debug("a parked notice was not written to %s (%s)", self.stream, detail)
+
+        try:
+            body = encode_records([record])
+            publisher.publish(LADDER_LANE, "", self.stream, body, _PERSISTENT, written)
+        except BrokerConnectionLost:
+            pass
+
+
+async def tally_records(settings: Settings) -> RecordTally:
+    """Read the whole of ``settings``' cancel stream as a relay would, applying nothing:
+    every record counted by signature (checked with ``settings.signing_keys``; unsigned
+    ones count as ignored with ``require_signatures``, as the relays ignore them then)
+    and every relay's notice of a message it parked for its signature or target.
+
+    It writes a marker record, as a relay does, to know where the stream ends (a
+    relay's user may write there; a producer's too).
+
+    Raises:
+        BrokerUnavailableError: cannot connect, or the stream took no marker (or gave
+            nothing back within ``CATCH_UP_TIMEOUT_S``); ChannelClosedError: the stream
+            is missing (404) or may not be read (403).
+    """
+    signatures = settings.signatures
+    tally = RecordTally(checked=signatures.enabled)
+    stream = Topology.from_settings(settings).cancel_stream
+    reader = CancelReader(stream, None, now_us, signatures, tally)
+    connection = await Connector(settings, name="hopsched-status").connect()
+    publisher = Publisher(connection)
+    try:
+        await reader.follow(connection, publisher, lambda _: None)
+    finally:
+        await publisher.close()
+        await connection.close()
+    return tally

@@ -5,37 +5,92 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from datetime import datetime
+from collections.abc import Callable, Coroutine, Mapping
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
 import aio_pika
-import aiormq
 import click
 
+from hopsched.arguments import parse_header
+from hopsched.cancel import RecordTally
+from hopsched.cancel_reader import tally_records
 from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
 from hopsched.durations import parse_duration
-from hopsched.errors import HopschedError, InvalidScheduleError
+from hopsched.errors import (
+    HopschedError,
+    InvalidScheduleError,
+    InvalidSettingsError,
+    PrefixNotDeclaredError,
+    TopologyMismatchError,
+)
 from hopsched.logs import LogFormat, configure_logging
-from hopsched.nodes import RelayNodes, management_urls, relay_nodes
+from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowledged
 from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.policies import PROTECT_PRIORITY
 from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
+from hopsched.prepare import due_time_us
 from hopsched.relay import Relay
-from hopsched.scheduler import Cancelled, Scheduled, Scheduler, due_time_us
+from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
-from hopsched.topology import QueueDepth, Teardown, Topology
+from hopsched.topology import ROLES, QueueDepth, Role, Teardown, Topology
 
-__all__ = ["EXIT_NOT_REPLAYED", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_NOT_REPLAYED", "EXIT_NO_PREFIX", "main"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: Bad input: a usage error, a setting or a message hopsched cannot use; nothing was done.
+EXIT_BAD_INPUT = 2
 #: ``parked replay``: some messages asked for were not replayed (not parked, or left parked).
 EXIT_NOT_REPLAYED = 3
+#: Nothing of the prefix exists where the command needs it (a mistyped --prefix?):
+#: nothing was done (scheduled, cancelled, upgraded, removed).
+EXIT_NO_PREFIX = 4
+#: ``schedule --at`` further in the past than this (µs) gets a warning.
+_PAST_WARNING_US = 60_000_000
+#: ``upgrade`` prints a progress line every this many messages moved.
+_PROGRESS_EVERY = 1000
+
+
+class _Failure(click.ClickException):
+    """A one-line ``Error:``, exit status 1."""
+
+
+class _BadInput(_Failure):
+    exit_code = EXIT_BAD_INPUT
+
+
+class _NoPrefix(_Failure):
+    exit_code = EXIT_NO_PREFIX
+
+
+class _JsonFailure(click.ClickException):
+    """A command's error, shown as a JSON log line (``--log-format json``)."""
+
+    def __init__(self, error: click.ClickException) -> None:
+        super().__init__(error.format_message())
+        self.exit_code = error.exit_code  # type: ignore[misc]  # click's is a ClassVar
+
+    def show(self, file: Any = None) -> None:
+        logging.getLogger("hopsched.cli").error("%s", self.message)
+
+
+class _Group(click.Group):
+    """The ``hopsched`` group: with ``--log-format json`` a command's error (usage errors
+    included) is a JSON line like every other, not click's text."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as error:
+            if ctx.params.get("log_format") == "json":
+                raise _JsonFailure(error) from None
+            raise
 
 
 def _connection_options(command: F) -> F:
@@ -63,18 +118,22 @@ def _settings(**overrides: Any) -> Settings:
     try:
         return Settings.from_env(**overrides)
     except HopschedError as error:
-        raise click.UsageError(str(error)) from None
+        raise _BadInput(str(error)) from None
 
 
-def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
+def _run(coroutine: Coroutine[Any, Any, Any], settings: Settings | None = None) -> Any:
     """Run ``coroutine``; a HopschedError becomes a one-line error: exit status 2 for bad
-    input, 1 for anything else (broker unreachable, topology mismatch)."""
+    input, 4 for a prefix that is not there (``settings`` name its URL), 1 for anything
+    else (broker unreachable, topology mismatch)."""
     try:
         return asyncio.run(coroutine)
-    except InvalidScheduleError as error:
-        raise click.UsageError(str(error)) from None
+    except (InvalidScheduleError, InvalidSettingsError) as error:
+        raise _BadInput(str(error)) from None
+    except PrefixNotDeclaredError as error:
+        where = f"{settings.masked_url}: " if settings is not None else ""
+        raise _NoPrefix(f"{where}{error}") from None
     except HopschedError as error:
-        raise click.ClickException(str(error)) from None
+        raise _Failure(str(error)) from None
 
 
 def _parse_at(_: click.Context, __: click.Parameter, value: str | None) -> datetime | None:
@@ -99,7 +158,7 @@ def _parse_in(_: click.Context, __: click.Parameter, value: str | None) -> Any:
         raise click.BadParameter(str(error)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "-v",
     "--verbose",
@@ -120,10 +179,13 @@ def main(verbose: int, log_format: str) -> None:
     Exit status:
       0  done
       1  the broker cannot be reached or refused (login, access), a topology
-         mismatch, a missing queue; teardown refused (queues in use); the relay's
+         mismatch, a missing queue; status: messages wait with no relay, or an
+         interrupted upgrade; teardown refused (queues in use); the relay's
          metrics port is in use; the demo saw an early or lost message
-      2  bad input (usage error)
+      2  bad input (usage error, a setting or URL option, a message)
       3  parked replay: some messages asked for were not replayed
+      4  nothing of the prefix exists where the command needs it (check
+         --prefix): nothing was scheduled, cancelled, upgraded or removed
     """
     configure_logging(verbose, cast(LogFormat, log_format))
 
@@ -186,7 +248,10 @@ def relay(
 @_connection_options
 @click.option("--at", "at", callback=_parse_at, help="Due time, ISO 8601 with offset.")
 @click.option(
-    "--in", "delay", callback=_parse_in, help="Delay: 250ms, 90s, 5m, 2h, 1d (<= 0: now)."
+    "--in",
+    "delay",
+    callback=_parse_in,
+    help="Delay: 250ms, 90s, 5m, 1m30s, 2h, 1d12h (<= 0: now).",
 )
 @click.option(
     "--routing-key",
@@ -197,36 +262,80 @@ def relay(
 @click.option("--exchange", "-x", default="", show_default=True, help="Target exchange.")
 @click.option("--body", help="Message body text.")
 @click.option("--body-file", type=click.File("rb"), help="Message body from a file (- = stdin).")
-@click.option("--header", "headers", multiple=True, metavar="K=V", help="Header (string).")
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="K[:TYPE]=V",
+    help="Header (repeatable); TYPE: str (default), int, float, decimal, bool, datetime "
+    "(ISO 8601 with offset), json (a table or array), e.g. --header attempt:int=3.",
+)
 @click.option("--content-type", help="content_type property, e.g. application/json.")
+@click.option("--message-id", help="message_id property [default: the schedule id].")
+@click.option("--correlation-id", help="correlation_id property.")
+@click.option(
+    "--expiration",
+    callback=_parse_in,
+    help="The delivered message's TTL in its target queue (RabbitMQ's per-message "
+    "expiration, whole ms), e.g. 30s; none by default.",
+)
+@click.option("--priority", type=click.IntRange(0, 255), help="priority property, 0-255.")
+@click.option(
+    "--persistent/--transient",
+    default=True,
+    show_default=True,
+    help="delivery_mode of the delivered message (hops are always persistent).",
+)
 @click.option(
     "--schedule-id",
     help="Your id for it, to cancel or reschedule by, e.g. order-42-timeout (default random).",
+)
+@click.option(
+    "--check-target",
+    is_flag=True,
+    help="First check, publishing nothing, that the target exchange exists and routes the "
+    "routing key to a queue (other exchanges than the default: the management API).",
+)
+@click.option(
+    "--management-url",
+    help="Management API base URL(s) for --check-target [default http://HOST:15672/].",
 )
 def schedule(
     url: str | None,
     prefix: str | None,
     queue_type: str | None,
     at: datetime | None,
-    delay: Any,
+    delay: timedelta | None,
     routing_key: str,
     exchange: str,
     body: str | None,
     body_file: Any,
     headers: tuple[str, ...],
     content_type: str | None,
+    message_id: str | None,
+    correlation_id: str | None,
+    expiration: timedelta | None,
+    priority: int | None,
+    persistent: bool,
     schedule_id: str | None,
+    check_target: bool,
+    management_url: str | None,
 ) -> None:
-    """Schedule one message; prints its schedule id and due time (UTC)."""
+    """Schedule one message; prints its schedule id and due time (UTC). Refused (exit 4)
+    on a prefix that has no relay queue: start a relay or run `hopsched declare` first.
+    An --at more than a minute past is delivered at once, with a warning."""
     if (at is None) == (delay is None):
         raise click.UsageError("give exactly one of --at and --in")
     if body is not None and body_file is not None:
         raise click.UsageError("give at most one of --body and --body-file")
+    if expiration is not None and expiration < timedelta(0):
+        raise click.BadParameter("must be 0 or more", param_hint="--expiration")
     header_table: dict[str, Any] = {}
     for item in headers:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r}: write K=V", param_hint="--header")
+        try:
+            key, value = parse_header(item)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--header") from None
         if key.startswith("x-hopsched-"):
             raise click.BadParameter(
                 f"{key!r}: x-hopsched-* headers are hopsched's own", param_hint="--header"
@@ -244,16 +353,32 @@ def schedule(
         payload,
         headers=header_table,
         content_type=content_type,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id,
+        correlation_id=correlation_id,
+        expiration=expiration,
+        priority=priority,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+        if persistent
+        else aio_pika.DeliveryMode.NOT_PERSISTENT,
     )
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    now = now_us()
     try:  # before connecting: bad input should not declare anything
-        due_time_us(at, delay, now_us())
+        due = due_time_us(at, delay, now)
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
+    if at is not None and now - due > _PAST_WARNING_US:
+        late = timedelta(microseconds=now - due)
+        logging.getLogger("hopsched.cli").warning(
+            "--at %s is %s in the past: it is due now and will be delivered at once",
+            at.isoformat(),
+            late - timedelta(microseconds=late.microseconds),
+        )
+    if refusal := settings.target_policy.refusal(exchange, routing_key):
+        raise click.UsageError(refusal)
 
     async def go() -> None:
-        async with Scheduler(settings) as scheduler:
+        async with Scheduler(settings, management_url=management_url) as scheduler:
             result = await scheduler.schedule(
                 message,
                 at=at,
@@ -261,26 +386,11 @@ def schedule(
                 exchange=exchange,
                 routing_key=routing_key,
                 schedule_id=schedule_id,
+                check_target=check_target,
             )
         click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}")
 
     _run(go())
-
-
-async def _require_relay_queue(settings: Settings) -> None:
-    """A cancel or reschedule for a prefix nothing was scheduled with (a mistyped
-    --prefix) would succeed and change nothing: refuse it instead."""
-    relay_queue = Topology.from_settings(settings).relay_queue
-    connection = await connect(settings, name="hopsched-cli")
-    async with connection:
-        channel = await connection.channel()
-        try:
-            await channel.declare_queue(relay_queue, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            raise HopschedError(
-                f"prefix {settings.prefix!r} has no relay queue ({relay_queue}) at "
-                f"{settings.masked_url}: nothing was scheduled with it; check --prefix"
-            ) from None
 
 
 @main.command()
@@ -295,8 +405,7 @@ def cancel(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> list[Cancelled]:
-        await _require_relay_queue(settings)
-        async with Scheduler(settings) as scheduler:
+        async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
             return await scheduler.cancel_many(schedule_ids)
 
     for result in _run(go()):
@@ -325,8 +434,7 @@ def reschedule(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> Scheduled:
-        await _require_relay_queue(settings)
-        async with Scheduler(settings) as scheduler:
+        async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
             return await scheduler.reschedule(schedule_id, at=at, delay=delay)
 
     result = _run(go())
@@ -340,16 +448,25 @@ def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
 
-    async def go() -> None:
+    async def go() -> dict[str, QueueDepth | None]:
         connection = await connect(settings)
         async with connection:
             await topology.declare(connection)
+            return await topology.inspect(connection, check_arguments=False)
 
-    _run(go())
+    depths = _run(go(), settings)
     click.echo(f"declared on {settings.masked_url}:")
     click.echo(f"  exchange {topology.expired_exchange} (direct) -> queue {topology.relay_queue}")
     for name, arguments in topology.queues().items():
         click.echo(f"  queue {name} {json.dumps(arguments, sort_keys=True)}")
+    for name in topology.holding_queues:
+        if (depth := depths.get(name)) is not None:
+            click.echo(
+                f"warning: {name} holds {depth.messages} message(s) of an interrupted "
+                f"upgrade: stop the relays and run `hopsched upgrade --prefix "
+                f"{settings.prefix}` again",
+                err=True,
+            )
 
 
 @main.command()
@@ -375,33 +492,109 @@ def status(
     management_url: str | None,
 ) -> None:
     """Depth of every step queue, the relay and parked queues; relay consumers, and with
-    several URLs (or --nodes) which node each relay is on. Declares nothing; a queue of
-    another type (--queue-type) is an error."""
+    several URLs (or --nodes) which node each relay is on; the cancel stream's records by
+    signature (checked with HOPSCHED_SIGNING_KEYS) and the messages relays parked for
+    their signature or target. Declares nothing (it writes one marker record to read the
+    stream to its end, as a relay does); a queue of another type (--queue-type) is an
+    error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
     per_node = per_node or len(settings.urls) > 1 or management_url is not None
 
-    async def go() -> tuple[dict[str, QueueDepth | None], RelayNodes | None]:
+    async def go() -> tuple[
+        dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str
+    ]:
         connection = await connect(settings)
         async with connection:
-            depths = await topology.inspect(connection)
+            depths = await topology.inspect(connection, check_arguments=False)
+            try:  # after the depths: an interrupted upgrade shows whatever the arguments
+                await topology.inspect(connection)
+            except TopologyMismatchError as error:
+                mismatch: str | None = str(error)
+            else:
+                mismatch = None
+        records = await _records(settings, depths.get(topology.cancel_stream) is not None)
         if not per_node:
-            return depths, None
+            return depths, None, mismatch, records
         urls = management_urls(settings, management_url)
-        return depths, await relay_nodes(settings, topology.relay_queue, urls)
+        nodes = await relay_nodes(settings, topology.relay_queue, urls)
+        return depths, nodes, mismatch, records
 
-    depths, nodes = cast(tuple[dict[str, QueueDepth | None], RelayNodes | None], _run(go()))
+    depths, nodes, mismatch, records = cast(
+        tuple[dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str],
+        _run(go()),
+    )
     checked = _check_policies(settings, management_url)
-    _show_status(settings, topology, depths, nodes, as_json, checked.as_json())
-    _policies_at_risk(checked, echo=not as_json)
+    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json())
+    if not as_json:
+        _echo_policies(checked)
+    problems = _status_problems(settings, topology, depths)
+    if mismatch is not None:
+        problems.insert(0, mismatch)
+    if (risk := _policy_risk(checked)) is not None:
+        problems.append(risk)
+    if problems:
+        raise _Failure("; ".join(problems))
+
+
+def _status_problems(
+    settings: Settings, topology: Topology, depths: dict[str, QueueDepth | None]
+) -> list[str]:
+    """What makes ``status`` exit 1: missing queues, an interrupted upgrade, messages
+    that wait with no relay to take them."""
+    problems = []
     # the stream is declared on the first cancel: missing until then is normal
     missing = [name for name in topology.queues_but_stream() if depths.get(name) is None]
     if missing:
-        raise click.ClickException(
+        problems.append(
             f"{len(missing)} of the prefix's queues are missing ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): check --prefix and --queue-type, or "
             "declare them with `hopsched declare` (a relay declares them when it starts)"
         )
+    for name in topology.holding_queues:
+        if (depth := depths.get(name)) is not None:
+            problems.append(
+                f"{name} holds {depth.messages} message(s) of an interrupted upgrade: stop "
+                f"the relays and run `hopsched upgrade --prefix {settings.prefix}` again"
+            )
+    relay = depths.get(topology.relay_queue)
+    waiting = sum(
+        depth.messages
+        for name in (*topology.step_queues, topology.relay_queue)
+        if (depth := depths.get(name)) is not None
+    )
+    if relay is not None and not relay.consumers and waiting:
+        problems.append(
+            f"{waiting} message(s) wait on the ladder and no relay consumes "
+            f"{topology.relay_queue}: start one (hopsched relay --prefix {settings.prefix})"
+        )
+    return problems
+
+
+async def _records(settings: Settings, declared: bool) -> RecordTally | str:
+    """The cancel stream's records by signature, or why they could not be read."""
+    if not declared:
+        return "the cancel stream is not declared yet"
+    try:
+        return await tally_records(settings)
+    except HopschedError as error:
+        return f"not read: {error}"
+
+
+def _records_lines(tally: RecordTally | str) -> list[str]:
+    if isinstance(tally, str):
+        return [f"records: {tally}"]
+    refused = ", ".join(f"{n} {why}" for why, n in sorted(tally.refused.items())) or "none"
+    if tally.checked:
+        lines = [f"records: {tally.signed} signed, {tally.unsigned} unsigned; ignored: {refused}"]
+    else:
+        lines = [
+            f"records: {tally.signed} carry a signature, {tally.unsigned} do not (not checked: "
+            f"no signing keys); ignored: {refused}"
+        ]
+    parked = ", ".join(f"{n} {kind}" for kind, n in sorted(tally.parked.items())) or "none"
+    lines.append(f"parked by relays for their signature or target: {parked}")
+    return lines
 
 
 def _show_status(
@@ -410,6 +603,7 @@ def _show_status(
     depths: dict[str, QueueDepth | None],
     nodes: RelayNodes | None,
     as_json: bool,
+    records: RecordTally | str,
     policies: dict[str, Any],
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
@@ -423,6 +617,7 @@ def _show_status(
                 for name, depth in depths.items()
             },
             "relay_consumers": relay_consumers,
+            "records": records if isinstance(records, str) else dataclasses.asdict(records),
         }
         if nodes is not None:
             shown["nodes"] = {name: dataclasses.asdict(view) for name, view in nodes.nodes.items()}
@@ -435,8 +630,12 @@ def _show_status(
         text = "missing" if depth is None else f"{depth.messages:>9} messages"
         if depth is None and name == topology.cancel_stream:
             text = "not declared yet (the first cancel declares it)"
+        elif name in topology.holding_queues:
+            text += " (an interrupted upgrade: run `hopsched upgrade` again)"
         click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
+    for line in _records_lines(records):
+        click.echo(line)
     if nodes is None:
         return
     if nodes.unavailable is not None:
@@ -453,29 +652,67 @@ def _show_status(
 @main.command()
 @_connection_options
 @click.option(
-    "--force", is_flag=True, help="Delete even queues that hold messages (they are lost)."
+    "--force",
+    is_flag=True,
+    help="Delete even queues that hold messages or have consumers (the messages are lost).",
 )
-def teardown(url: str | None, prefix: str | None, queue_type: str | None, force: bool) -> None:
-    """Delete the prefix's queues and exchange, printing each; refuses (exit 1) while a
-    queue holds messages or has consumers, unless --force."""
+@click.option(
+    "--management-url",
+    help="Management API base URL(s), comma-separated, to count what consumers hold "
+    "[default http://HOST:15672/ per URL].",
+)
+def teardown(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    force: bool,
+    management_url: str | None,
+) -> None:
+    """Delete the prefix's queues and exchange, printing each as it goes; refuses (exit 1)
+    while a queue holds messages or has consumers, unless --force. With --force it counts
+    what it deletes: the ready messages, and what consumers (a running relay) held, from
+    the management API. Exit 4 if nothing of the prefix exists. Interrupted, run it
+    again: it removes what is left."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
+    apis = management_urls(settings, management_url)
+
+    async def count_held(consumers: Mapping[str, int]) -> dict[str, int] | str:
+        return await unacknowledged(settings, consumers, apis)
+
+    def removed(step: str, lost: int) -> None:
+        click.echo(f"{step} ({lost} ready message(s) deleted with it)" if lost else step)
 
     async def go() -> Teardown:
         connection = await connect(settings)
         async with connection:
-            return await topology.teardown(connection, force=force)
+            return await topology.teardown(
+                connection, force=force, count_held=count_held, progress=removed
+            )
 
-    done: Teardown = _run(go())
-    for name in done.removed:
-        lost = f" ({done.lost[name]} message(s) deleted with it)" if name in done.lost else ""
-        click.echo(f"removed {name}{lost}")
+    done: Teardown = _run(go(), settings)
     for name in done.missing:
         click.echo(f"did not exist: {name}")
+    for name, consumers in done.consumers.items():
+        held = (
+            f"{done.held[name]} unacknowledged message(s) at the broker's last statistics "
+            "round (the management API's count, refreshed every 5 s by default)"
+            if name in done.held
+            else f"an unknown number of messages ({done.held_unknown})"
+        )
+        click.echo(
+            f"{name} had {consumers} consumer(s) (a running relay?) holding {held}; they "
+            "were in no queue any more: a relay delivers what it holds, or they are lost"
+        )
+    lost = sum(done.lost.values())
+    held_total = "an unknown number" if done.held_unknown else str(sum(done.held.values()))
     click.echo(
         f"{settings.prefix} on {settings.masked_url}: {len(done.removed)} removed, "
-        f"{len(done.missing)} did not exist"
+        f"{len(done.missing)} did not exist; {lost} ready message(s) deleted"
+        + (f", {held_total} held by consumers" if done.consumers else "")
     )
+    if management_url:
+        settings = dataclasses.replace(settings, management_url=management_url)
     for name in _run(_unprotect_quietly(settings)):
         click.echo(f"removed policy {name}")
 
@@ -485,43 +722,77 @@ def teardown(url: str | None, prefix: str | None, queue_type: str | None, force:
 def upgrade(url: str | None, prefix: str | None, queue_type: str | None) -> None:
     """Re-declare the relay and parked queues of a prefix declared by hopsched < 0.2 with
     this version's delivery limit and dead-lettering, keeping every message. Stop every
-    relay of the prefix first."""
+    relay of the prefix first. Interrupted at any point (even killed), run it again: it
+    finishes the move (at most one message duplicated per interruption, none lost).
+    Exit 4, declaring nothing, if nothing of the prefix exists."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
+
+    def report(step: str, count: int) -> None:
+        if not step.startswith("moved ") or count % _PROGRESS_EVERY == 0:
+            click.echo(f"  {step}" + (f": {count}" if step.startswith("moved ") else ""))
 
     async def go() -> list[str]:
         connection = await connect(settings, name="hopsched-upgrade")
         async with connection:
-            done = await topology.upgrade(connection)
+            done = await topology.upgrade(connection, progress=report)
             await topology.declare(connection)  # and the rest, as any process would
             return done
 
-    for line in _run(go()):
+    for line in _run(go(), settings):
         click.echo(line)
 
 
 @main.command()
 @_connection_options
+@click.option(
+    "--role",
+    type=click.Choice(ROLES),
+    help="One role's grant for --user [default: every role's, for USER-ROLE each].",
+)
 @click.option("--user", default="hopsched", show_default=True, help="RabbitMQ user name.")
 @click.option("--vhost", help="Virtual host [default: the URL's, '/' if it names none].")
 @click.option(
     "--target-exchange",
     "target_exchanges",
     multiple=True,
-    help="An exchange messages are delivered to (repeatable; the default exchange needs none).",
+    help="An exchange the relay delivers to (repeatable; the default exchange needs none).",
 )
 def permissions(
     url: str | None,
     prefix: str | None,
     queue_type: str | None,
+    role: Role | None,
     user: str,
     vhost: str | None,
     target_exchanges: tuple[str, ...],
 ) -> None:
-    """Print the rabbitmqctl command granting the least permissions hopsched needs."""
+    """Print the rabbitmqctl commands granting each role (producer, relay, operator) the
+    least it needs; docs/security.md says what each grant allows."""
+    if not user.strip():
+        raise click.BadParameter("empty: give the RabbitMQ user's name", param_hint="--user")
+    if vhost is not None and not vhost.strip():
+        raise click.BadParameter(
+            "empty: give a virtual host (the default vhost is '/'), or leave --vhost out "
+            "for the URL's",
+            param_hint="--vhost",
+        )
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
-    grant = Topology.from_settings(settings).permissions(target_exchanges)
-    click.echo(grant.command(user, settings.vhost if vhost is None else vhost))
+    topology = Topology.from_settings(settings)
+    vhost = settings.vhost if vhost is None else vhost
+    if role is not None:
+        click.echo(topology.permissions(role, target_exchanges).command(user, vhost))
+        return
+    for each in ROLES:
+        click.echo(f"# {each}: {_ROLE_DOES[each]}")
+        click.echo(topology.permissions(each, target_exchanges).command(f"{user}-{each}", vhost))
+
+
+_ROLE_DOES: dict[Role, str] = {
+    "producer": "schedule, cancel, reschedule (declares nothing)",
+    "relay": "hopsched relay",
+    "operator": "declare, status, teardown, upgrade, parked list/replay, cancel, reschedule",
+}
 
 
 def _check_policies(settings: Settings, management_url: str | None) -> PolicyCheck:
@@ -531,19 +802,21 @@ def _check_policies(settings: Settings, management_url: str | None) -> PolicyChe
     return checked
 
 
-def _policies_at_risk(checked: PolicyCheck, *, echo: bool) -> None:
-    """Print ``checked``; exit 1 (after the rest of the output) if a policy in force can
-    lose or stall messages."""
-    if echo:
-        for line in checked.lines():
-            click.echo(line)
+def _echo_policies(checked: PolicyCheck) -> None:
+    for line in checked.lines():
+        click.echo(line)
+
+
+def _policy_risk(checked: PolicyCheck) -> str | None:
+    """Why ``checked`` makes a command exit 1: a policy in force can lose or stall
+    messages; else None."""
     report = checked.report
-    if report is not None and report.at_risk:
-        worst = report.findings[0]
-        raise click.ClickException(
-            f"{len(report.findings)} finding(s) on the policies in force: messages can be lost or "
-            f"stalled; the worst: {worst.line()}"
-        )
+    if report is None or not report.at_risk:
+        return None
+    return (
+        f"{len(report.findings)} finding(s) on the policies in force: messages can be lost "
+        f"or stalled; the worst: {report.findings[0].line()}"
+    )
 
 
 async def _unprotect_quietly(settings: Settings) -> list[str]:
@@ -592,9 +865,12 @@ def policies_check(
     checked = _check_policies(settings, management_url)
     if as_json:
         click.echo(json.dumps(checked.as_json(), indent=2))
+    else:
+        _echo_policies(checked)
     if checked.report is None:
-        raise click.ClickException(f"cannot read the policies in force: {checked.unavailable}")
-    _policies_at_risk(checked, echo=not as_json)
+        raise _Failure(f"cannot read the policies in force: {checked.unavailable}")
+    if (risk := _policy_risk(checked)) is not None:
+        raise _Failure(risk)
 
 
 @policies.command("protect")
@@ -625,7 +901,7 @@ def policies_protect(
         click.echo("run these where you may set policies:")
         for command in done.commands:
             click.echo(f"  {command}")
-        raise click.ClickException(f"the protective policies were not set: {done.error}")
+        raise _Failure(f"the protective policies were not set: {done.error}")
     for policy in done.policies:
         click.echo(
             f"set policy {policy.name} (priority {policy.priority}) on {policy.pattern}: "

@@ -86,10 +86,10 @@ class Connector:
             self._next = (self._next + 1) % len(self._params)  # the next attempt moves on
             try:
                 connection = await amqp.connect(params, name=self.name, timeout_s=CONNECT_TIMEOUT_S)
+            except BrokerUnavailableError as error:  # (a ConnectionError: before OSError)
+                failures.append(error)  # login or vhost refused, no handshake: said already
             except OSError as error:  # refused, unreachable, TLS handshake
                 failures.append(unreachable(self.settings, error, params.url))
-            except BrokerUnavailableError as error:
-                failures.append(error)
             else:
                 self.attempts += 1
                 self.node, self.url = node_of(params.url), params.url
@@ -169,10 +169,7 @@ async def _connect_one(
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             return await aio_pika.connect(node_url, client_properties={"connection_name": name})
     except TimeoutError:
-        raise BrokerUnavailableError(
-            f"{url}: no AMQP handshake within {CONNECT_TIMEOUT_S:g} s; is this RabbitMQ's "
-            "AMQP port (5672, or 5671 for amqps)?"
-        ) from None
+        raise BrokerUnavailableError(amqp.silent_peer(url, CONNECT_TIMEOUT_S)) from None
     except aiormq.exceptions.ProbableAuthenticationError:
         raise BrokerUnavailableError(
             f"{url}: login refused; check the user name and password in the URL "
@@ -182,8 +179,8 @@ async def _connect_one(
         if isinstance(error.__cause__, OSError):  # aiormq wraps socket errors
             raise unreachable(settings, error.__cause__, node_url) from None
         raise _refused(settings, error, node_url) from None
-    except aiormq.exceptions.AMQPError:  # e.g. Connection.Close for a missing vhost
-        raise _refused(settings, None, node_url) from None
+    except aiormq.exceptions.AMQPError as error:  # e.g. Connection.Close for a missing vhost
+        raise _refused(settings, error, node_url) from None
     except OSError as error:
         raise unreachable(settings, error, node_url) from None
 
@@ -212,12 +209,20 @@ _TLS_HINT = (
 
 
 def _refused(settings: Settings, error: BaseException | None, url: str) -> BrokerUnavailableError:
-    reason = f" ({_reason(error, settings)})" if error is not None else ""
+    reason = _reason(error, settings) if error is not None else ""
+    # aiormq keeps no reply code: a Connection.Close instead of Connection.OpenOk is the
+    # broker refusing the vhost (missing, or the user has no permission there)
+    if "OpenOk" in reason and "Connection.Close" in reason:
+        return BrokerUnavailableError(
+            f"{mask_url(url)}: the broker refused the vhost {settings.vhost!r} (it closed the "
+            "connection in answer to connection.open); check that it exists and the user "
+            "may use it (rabbitmqctl list_permissions -p VHOST)"
+        )
     return BrokerUnavailableError(
         f"{mask_url(url)}: the broker closed the connection during the handshake"
-        f"{reason}; check that the vhost in the URL exists and the "
-        "user may use it (rabbitmqctl list_permissions -p VHOST), and that the port is "
-        "RabbitMQ's AMQP port"
+        f"{f' ({reason})' if reason else ''}; check that the vhost in the URL exists and "
+        "the user may use it (rabbitmqctl list_permissions -p VHOST), and that the port "
+        "is RabbitMQ's AMQP port"
     )
 
 

@@ -7,7 +7,10 @@ schedule was cancelled), ``Route(envelope, plan)``, the plan being the ladder's
 ``Wait``: a step returned it early (``returned_early``: a policy's length limit pushed it
 out, a short ``message-ttl``, a consumer rejecting it), so hopping it again at once
 would bring it straight back, again and again (a hop storm); it waits until its hop
-would have ended (at most ``WAIT_MAX_US``), then is routed anew.
+would have ended (at most ``WAIT_MAX_US``), then is routed anew. It checks the
+envelope's signature first (``hopsched.signing``) and parks a message whose target lies
+in hopsched's own namespace: the relay publishes into its own queues and stream only
+through its own code paths.
 ``Decider.after_refusal`` answers a negative confirm on the final publish (a full
 target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
 once the refusals have lasted ``retry_for_us``.
@@ -25,11 +28,13 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK, Envelope
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.signing import Refusal, Signatures
 from hopsched.targets import TargetPolicy
 from hopsched.validate import check_expiration
 
 __all__ = [
     "EARLY_TOLERANCE_US",
+    "NOTICED",
     "RETRY_FIRST_MS",
     "RETRY_MAX_MS",
     "STORM_FLOOR_US",
@@ -70,7 +75,15 @@ class ParkKind(StrEnum):
     REFUSED = "refused"  # the broker refused a publish (missing exchange, access, ...)
     TOO_LARGE = "too_large"  # its properties cannot be re-published (frame size, type)
     UNDECODABLE = "undecodable"  # its properties cannot be decoded
+    INTERNAL_TARGET = "internal_target"  # its target is one of hopsched's own objects
+    UNSIGNED = "unsigned"  # no signature, and the relay requires one
+    BAD_SIGNATURE = "bad_signature"  # its signature does not verify (forged, altered, unknown key)
     RETURNED_EARLY = "returned_early"  # a step kept returning it early, the relay was full
+
+
+#: Parked kinds a relay notes in the cancel stream for ``hopsched status`` (a forgery,
+#: or a target inside hopsched's own namespace).
+NOTICED = frozenset({ParkKind.INTERNAL_TARGET, ParkKind.UNSIGNED, ParkKind.BAD_SIGNATURE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +165,14 @@ class Decider:
             whose ``user_id`` is another (https://www.rabbitmq.com/docs/validated-user-id).
         targets: the allow list (``Settings.allowed_targets``).
         retry_for_us: how long a target may refuse a message before it is parked, µs.
+        signatures: the keys envelopes are verified with, and whether one is required.
     """
 
     ladder: Ladder
     login: str
     targets: TargetPolicy
     retry_for_us: int
+    signatures: Signatures
 
     def decide(
         self,
@@ -167,6 +182,7 @@ class Decider:
         *,
         crowded: bool,
         margin_ms: int,
+        body: bytes,
         cancellations: Cancellations | None = None,
         rerouted: bool = False,
     ) -> Park | Cancel | Route | Wait:
@@ -175,6 +191,7 @@ class Decider:
         Args:
             headers: the delivery's headers.
             user_id: its ``user_id`` property.
+            body: its body (a signature covers its SHA-256).
             crowded: the relay holds as many messages as it should: hop whatever a step
                 fits, with the configured margin, so its prefetch frees up for deliveries
                 due now (a learnt margin grows with the relay's own backlog and would keep
@@ -188,6 +205,16 @@ class Decider:
             envelope = Envelope.from_headers(headers)
         except EnvelopeError as error:
             return Park(f"malformed envelope: {error.reason}", ParkKind.MALFORMED)
+        # A hop only moves a message along hopsched's own ladder: the MAC is checked
+        # before the relay acts on the content (holds it for delivery, signs it anew),
+        # the rest of the signature (present if required, of a key held) at every visit.
+        checked = self.signatures.check_envelope(envelope, body, verify_mac=False)
+        if isinstance(checked, Refusal):
+            return Park(checked.reason, ParkKind(checked.kind))
+        envelope = checked
+        verified = False
+        if refusal := self.targets.internal(envelope.exchange, envelope.routing_key):
+            return Park(refusal, ParkKind.INTERNAL_TARGET)
         if user_id is not None and user_id != self.login:
             return Park(
                 f"user_id {user_id!r} is not this relay's login {self.login!r}: RabbitMQ "
@@ -197,12 +224,16 @@ class Decider:
             )
         if cancellations is not None:
             verdict = cancellations.verdict(
-                envelope.schedule_id, envelope.created_us, envelope.due_us
+                envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
             )
             if verdict == CANCEL:
                 return Cancel(envelope)
             if isinstance(verdict, int):
-                envelope = dataclasses.replace(envelope, due_us=verdict)
+                if forged := self._forged(envelope, body):
+                    return forged
+                verified = True
+                moved = dataclasses.replace(envelope, due_us=verdict)
+                envelope = self.signatures.resigned(moved, body)
         if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
             return Park(refusal, ParkKind.NOT_ALLOWED)
         if envelope.expiration is not None:
@@ -214,6 +245,8 @@ class Decider:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hold_window_ms=0)
         else:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms)
+        if isinstance(plan, Hold) and not verified and (forged := self._forged(envelope, body)):
+            return forged
         early = None
         if isinstance(plan, Hop) and not rerouted:
             early = returned_early(headers or {}, now_us)
@@ -229,6 +262,13 @@ class Decider:
                 )
             return Wait(envelope, min(early_us, WAIT_MAX_US), queue, came)
         return Route(envelope, plan)
+
+    def _forged(self, envelope: Envelope, body: bytes) -> Park | None:
+        """A Park if the envelope's MAC does not verify (None: it does, or is unsigned)."""
+        checked = self.signatures.check_envelope(envelope, body)
+        return (
+            Park(checked.reason, ParkKind(checked.kind)) if isinstance(checked, Refusal) else None
+        )
 
     def after_refusal(self, envelope: Envelope, now_us: int, refusal: str) -> Park | Hop:
         """The target refused the final publish at ``now_us``: wait a hop, or park.

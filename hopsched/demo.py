@@ -120,7 +120,7 @@ async def run_demo(
     report = DemoReport()
     seen: set[str] = set()
     everything = asyncio.Event()
-    target = f"{settings.prefix}.demo-target"
+    target = f"{settings.prefix}-demo-target"  # not {prefix}.…: hopsched's own
 
     async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         received = now_us()

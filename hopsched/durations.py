@@ -1,4 +1,4 @@
-"""Parsing human durations such as ``90s``, ``5m``, ``2h``, ``250ms``, ``1.5d``."""
+"""Parsing human durations such as ``90s``, ``5m``, ``1m30s``, ``2h``, ``250ms``, ``1.5d``."""
 
 from __future__ import annotations
 
@@ -16,28 +16,52 @@ _UNITS_US = {
     "h": 3_600_000_000,
     "d": 86_400_000_000,
 }
-_DURATION = re.compile(r"^\s*(?P<number>-?\d+(?:\.\d*)?|-?\.\d+)\s*(?P<unit>us|ms|s|m|h|d)\s*$")
+_TERM = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>us|ms|s|m|h|d)\s*")
+_SIGNED = re.compile(r"^\s*(?P<sign>-?)(?P<terms>.*?)\s*$", re.DOTALL)
 #: Zero needs no unit: ``0``, ``-0``, ``0.0``.
 _ZERO = re.compile(r"^\s*-?(?:0+(?:\.0*)?|\.0+)\s*$")
+#: Terms of a compound duration go from the largest unit down, each unit once.
+_ORDER = ["d", "h", "m", "s", "ms", "us"]
+_EXAMPLES = "e.g. 250ms, 90s, 5m, 1m30s, 2h, 1d12h"
 
 
 def parse_duration(text: str) -> timedelta:
-    """``"90s"`` → ``timedelta(seconds=90)``. Units: us, ms, s, m, h, d; zero needs none
-    (``"0"``). Exact (no float); fractions of a microsecond round up. Negative durations
-    parse as such (``"-5s"``): the caller decides what they mean.
+    """``"90s"`` → ``timedelta(seconds=90)``; compound ``"1m30s"``, ``"1h 30m"``,
+    ``"2d12h"`` add up their terms (largest unit first, each unit once). Units: us, ms,
+    s, m, h, d; zero needs none (``"0"``). Exact (no float); fractions of a microsecond
+    round up. A leading ``-`` makes the whole duration negative (``"-1m30s"`` is -90 s):
+    the caller decides what it means.
 
     Raises:
-        ValueError: not a number followed by one of the units.
+        ValueError: not numbers each followed by one of the units, in that order.
     """
     if _ZERO.match(text):
         return timedelta(0)
-    match = _DURATION.match(text)
-    if match is None:
+    signed = _SIGNED.match(text)
+    assert signed is not None  # the pattern matches any text
+    terms, position, units = signed["terms"], 0, []
+    micros = Decimal(0)
+    while position < len(terms):
+        match = _TERM.match(terms, position)
+        if match is None:
+            break
+        units.append(match["unit"])
+        try:
+            micros += Decimal(match["number"]) * _UNITS_US[match["unit"]]
+        except InvalidOperation:
+            raise ValueError(f"{text!r} is too long a duration") from None
+        position = match.end()
+    if not units or position < len(terms):
+        raise ValueError(f"{text!r} is not a duration: write a number and a unit, {_EXAMPLES}")
+    ranks = [_ORDER.index(unit) for unit in units]
+    if ranks != sorted(set(ranks)):
         raise ValueError(
-            f"{text!r} is not a duration: write a number and a unit, e.g. 250ms, 90s, 5m, 2h, 1d"
+            f"{text!r}: write the terms of a compound duration from the largest unit down, "
+            f"each unit once, {_EXAMPLES}"
         )
+    if signed["sign"]:
+        micros = -micros
     try:
-        micros = Decimal(match["number"]) * _UNITS_US[match["unit"]]
         return timedelta(microseconds=int(micros.to_integral_value(rounding="ROUND_CEILING")))
     except (InvalidOperation, OverflowError):
         raise ValueError(f"{text!r} is too long a duration") from None

@@ -43,6 +43,7 @@ __all__ = [
     "HEADER_RETRIES",
     "HEADER_RETRY_SINCE",
     "HEADER_ROUTING_KEY",
+    "HEADER_SIGNATURE",
     "HEADER_VERSION",
     "PERSISTENT",
     "RELAY_CLOCK",
@@ -95,6 +96,9 @@ HEADER_RETRY_SINCE = "x-hopsched-retry-since"
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
 HEADER_PARKED_AT = "x-hopsched-parked-at"  # int, microseconds since the Unix epoch, UTC
 HEADER_PARKED_USER_ID = "x-hopsched-user-id"  # a parked message's user_id property
+#: ``KEY-ID:HEX-MAC``: the envelope's HMAC-SHA256 and the id of the key that made it
+#: (``hopsched.signing``); absent when the producer holds no signing key.
+HEADER_SIGNATURE = "x-hopsched-signature"
 
 #: What RabbitMQ adds when it dead-letters a message
 #: (https://www.rabbitmq.com/docs/dlx#effects). Carried across hops they grow without
@@ -130,6 +134,7 @@ _ROUTING_HEADERS = frozenset(
         HEADER_HOP_CLOCK,
         HEADER_RETRIES,
         HEADER_RETRY_SINCE,
+        HEADER_SIGNATURE,
     }
 )
 _PARKED_HEADERS = frozenset({HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID})
@@ -154,6 +159,7 @@ class Envelope:
         retry_since_us: when the first of them was refused, µs since the epoch.
         created_us: when it was scheduled, µs since the epoch by the producer's clock
             (0: not recorded, from a hopsched before cancellation).
+        signature: header ``x-hopsched-signature`` (``KEY-ID:HEX-MAC``), None if unsigned.
     """
 
     schedule_id: str
@@ -166,6 +172,16 @@ class Envelope:
     retries: int = 0
     retry_since_us: int | None = None
     created_us: int = 0
+    signature: str | None = None
+
+    @property
+    def owner(self) -> str | None:
+        """The key id of its signature (None: unsigned): whose schedule it is, once a
+        relay's ``Signatures.check_envelope`` has verified it (which drops a signature
+        it cannot verify)."""
+        if self.signature is None:
+            return None
+        return self.signature.rpartition(":")[0]
 
     def to_headers(self) -> dict[str, Any]:
         """The envelope as AMQP header fields (merge them into the caller's headers)."""
@@ -187,6 +203,8 @@ class Envelope:
             headers[HEADER_RETRY_SINCE] = self.retry_since_us
         if self.created_us:
             headers[HEADER_CREATED] = self.created_us
+        if self.signature is not None:
+            headers[HEADER_SIGNATURE] = self.signature
         return headers
 
     @classmethod
@@ -220,6 +238,7 @@ class Envelope:
             retries=field(HEADER_RETRIES, int, required=False) or 0,
             retry_since_us=field(HEADER_RETRY_SINCE, int, required=False),
             created_us=field(HEADER_CREATED, int, required=False) or 0,
+            signature=field(HEADER_SIGNATURE, str, required=False),
         )
         if envelope.due_us < 0 or envelope.hops < 0 or envelope.retries < 0:
             raise EnvelopeError(
@@ -247,7 +266,8 @@ def dead_lettered_us(headers: Mapping[str, Any]) -> int | None:
 
 
 def _field(headers: Mapping[str, Any], name: str, kind: type, *, required: bool = True) -> Any:
-    value = headers.get(name)
+    # (``in`` first: a Table's ``get`` of a missing key raises and catches a KeyError)
+    value = headers.get(name) if name in headers else None
     if value is None:
         if required:
             raise EnvelopeError(f"header {name!r} is missing", headers)
@@ -337,16 +357,19 @@ def hop_headers(
     hops: int,
     expires_us: int | None = None,
     due_us: int | None = None,
+    signature: str | None = None,
 ) -> Table:
     """Headers for the relay's next hop: the broker's bookkeeping removed, the hop
     counted, (when given) the instant the hop's TTL runs out by the relay's clock, and
-    the due time (a reschedule moves it)."""
+    the due time and signature (a reschedule moves the one and signs it again)."""
     values: dict[str, Any] = {HEADER_HOPS: hops}
     if expires_us is not None:
         values[HEADER_HOP_EXPIRES] = expires_us
         values[HEADER_HOP_CLOCK] = RELAY_CLOCK
     if due_us is not None:
         values[HEADER_DUE] = due_us
+    if signature is not None:
+        values[HEADER_SIGNATURE] = signature
     return _without(headers, _HOP_DROPS).update(values)
 
 
@@ -404,7 +427,9 @@ def first_hop_properties(
 def hop_properties(properties: Properties, envelope: Envelope, expires_us: int) -> Properties:
     """A delivery's properties for its next hop (expiring at ``expires_us``)."""
     return properties.replace(
-        headers=hop_headers(properties.headers, envelope.hops + 1, expires_us, envelope.due_us),
+        headers=hop_headers(
+            properties.headers, envelope.hops + 1, expires_us, envelope.due_us, envelope.signature
+        ),
         expiration=None,
         delivery_mode=PERSISTENT,
     )

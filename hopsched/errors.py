@@ -15,12 +15,16 @@ __all__ = [
     "InvalidScheduleError",
     "InvalidSettingsError",
     "ManagementAPIError",
+    "MessageTooLargeError",
     "MetricsEndpointError",
+    "PrefixNotDeclaredError",
     "PublishRejectedError",
     "PublishTimeoutError",
+    "TargetCheckError",
     "TargetRefused",
     "TopologyMismatchError",
     "Unroutable",
+    "UnroutableTargetError",
 ]
 
 
@@ -94,6 +98,21 @@ class TopologyMismatchError(HopschedError):
         )
 
 
+class PrefixNotDeclaredError(HopschedError):
+    """The prefix's queues are not on the broker (a mistyped prefix, or never declared):
+    nothing was sent, declared or deleted.
+
+    Attributes:
+        prefix: the prefix asked for.
+        queue: the queue that was looked for and is missing, e.g. ``{prefix}.relay``.
+    """
+
+    def __init__(self, message: str, *, prefix: str, queue: str) -> None:
+        super().__init__(message)
+        self.prefix = prefix
+        self.queue = queue
+
+
 class AccessRefusedError(HopschedError):
     """The broker refused this user an operation (AMQP 403 ACCESS_REFUSED)."""
 
@@ -155,9 +174,28 @@ class Unroutable(PublishRejectedError):
     """The broker returned the message (``mandatory``): no queue is bound for its routing key."""
 
 
+class UnroutableTargetError(InvalidScheduleError, Unroutable):
+    """``schedule(check_target=True)`` found that the target would not take the message:
+    its exchange does not exist or is internal, or no binding routes its routing key to
+    a queue. Nothing was scheduled."""
+
+
+class TargetCheckError(HopschedError):
+    """``schedule(check_target=True)`` could not tell whether the target routes (no
+    management API answered, or an exchange type it cannot follow); nothing was
+    scheduled."""
+
+
 class TargetRefused(PublishRejectedError):
     """The broker closed the channel for this publish (missing exchange, access refused,
     a property it refuses); the text gives the broker's reply."""
+
+
+class MessageTooLargeError(InvalidScheduleError, TargetRefused):
+    """The broker refused the message for its size (a body over its ``max_message_size``:
+    406 PRECONDITION_FAILED, https://www.rabbitmq.com/docs/configure#config-items): bad
+    input, so an ``InvalidScheduleError``, though only the broker could tell; nothing was
+    scheduled."""
 
 
 class PublishTimeoutError(HopschedError, TimeoutError):

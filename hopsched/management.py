@@ -33,7 +33,15 @@ from urllib.parse import quote, unquote, urlsplit
 from hopsched.errors import ManagementAPIError
 from hopsched.settings import Settings, mask_url
 
-__all__ = ["MANAGEMENT_PORT", "TIMEOUT_S", "ManagementClient", "management_urls"]
+__all__ = [
+    "MANAGEMENT_PORT",
+    "TIMEOUT_S",
+    "ManagementClient",
+    "api_get",
+    "api_request",
+    "management_urls",
+    "why",
+]
 
 #: The management plugin's default HTTP port.
 MANAGEMENT_PORT = 15672
@@ -60,6 +68,54 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def api_request(
+    settings: Settings, base: str, path: str, method: str = "GET", body: Any = None
+) -> Any:
+    """``method`` ``{base}api/{path}`` (``body`` as JSON), logged in with the user and
+    password of ``settings``' first URL; the decoded JSON answer, None for none
+    (blocking: run it in a thread).
+
+    Raises:
+        OSError: the API cannot be reached or answers an error (``urllib.error.HTTPError``).
+        ValueError: the answer is not JSON.
+    """
+    parts = urlsplit(settings.urls[0])
+    user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{base.rstrip('/')}/api/{path}", data=data, method=method)
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request.add_header("Authorization", f"Basic {token}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        raw = response.read()
+    return json.loads(raw) if raw else None
+
+
+def api_get(settings: Settings, base: str, path: str) -> Any:
+    """``api_request`` of a GET."""
+    return api_request(settings, base, path)
+
+
+def why(error: BaseException, user: str | None = None) -> str:
+    """What went wrong asking the management API, in a few words; a refusal names the
+    tags the (AMQP URL's) ``user`` needs."""
+    if isinstance(error, urllib.error.HTTPError):
+        problem = f"HTTP {error.code} {error.reason}"
+        if error.code in (401, 403):
+            who = "the URL's user" if user is None else f"user {user!r}"
+            name = "USER" if user is None else shlex.quote(user)
+            problem += (
+                f" ({who} needs the tag management to read, policymaker to set policies: "
+                f"rabbitmqctl set_user_tags {name} management policymaker; it replaces "
+                "the user's tags)"
+            )
+        return problem
+    if isinstance(error, urllib.error.URLError):
+        return str(error.reason)
+    return str(error) or type(error).__name__
+
+
 class ManagementClient:
     """GET, PUT and DELETE on the management API of the broker ``settings`` names.
 
@@ -75,9 +131,6 @@ class ManagementClient:
         self.settings = settings
         self._urls = list(urls) if urls is not None else management_urls(settings)
         self._derived = self._urls == _derived_urls(settings)
-        parts = urlsplit(settings.urls[0])
-        user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
-        self._token = base64.b64encode(f"{user}:{password}".encode()).decode()
         self._amqp_ports = {urlsplit(url).port or _default_port(url) for url in settings.urls}
         self._checked: set[str] = set()  # base URLs confirmed to serve this broker
         self._version: str | None = None
@@ -138,48 +191,29 @@ class ManagementClient:
                 if self._derived and base not in self._checked:
                     await asyncio.to_thread(self._check_listener, base)
                     self._checked.add(base)
-                found = await asyncio.to_thread(self._request, base, method, path, body)
+                found = await asyncio.to_thread(
+                    api_request, self.settings, base, path, method, body
+                )
             except _OtherBroker as other:
                 problems.append(f"{mask_url(base)}: {other}")
                 continue
             except urllib.error.HTTPError as error:
                 status = error.code
-                problems.append(f"{mask_url(base)}: {self._http_problem(error)}")
+                problems.append(f"{mask_url(base)}: {why(error, self.settings.login)}")
                 if error.code in (401, 403, 404):
                     break  # every node of the cluster would say the same
                 continue
             except (OSError, ValueError) as error:  # URLError is an OSError
-                problems.append(f"{mask_url(base)}: {_why(error)}")
+                problems.append(f"{mask_url(base)}: {why(error)}")
                 continue
             self.source = mask_url(base)
             return found
         raise ManagementAPIError(f"{method} /api/{path}: " + "; ".join(problems), status)
 
-    def _request(self, base: str, method: str, path: str, body: Any) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{base.rstrip('/')}/api/{path}", data=data, method=method)
-        request.add_header("Authorization", f"Basic {self._token}")
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            raw = response.read()
-        return json.loads(raw) if raw else None
-
-    def _http_problem(self, error: urllib.error.HTTPError) -> str:
-        problem = f"HTTP {error.code} {error.reason}"
-        if error.code in (401, 403):
-            user = self.settings.login
-            problem += (
-                f" (user {user!r} needs the tag management to read, policymaker to set "
-                f"policies: rabbitmqctl set_user_tags {shlex.quote(user)} management "
-                "policymaker; it replaces the user's tags)"
-            )
-        return problem
-
     def _check_listener(self, base: str) -> None:
         """Raise ``_OtherBroker`` unless the broker at ``base`` has an AMQP listener on
         one of the settings' ports (a derived URL may reach another broker)."""
-        overview = self._request(base, "GET", "overview?columns=listeners", None)
+        overview = api_get(self.settings, base, "overview?columns=listeners")
         listeners = overview.get("listeners") if isinstance(overview, dict) else None
         ports = {
             int(entry["port"])
@@ -202,9 +236,3 @@ class _OtherBroker(Exception):
 
 def _default_port(url: str) -> int:
     return 5671 if url.startswith("amqps:") else 5672
-
-
-def _why(error: BaseException) -> str:
-    if isinstance(error, urllib.error.URLError):
-        return str(error.reason)
-    return str(error) or type(error).__name__

@@ -68,6 +68,13 @@ _COUNTERS = (
         "cancel_records",
         "Cancel and reschedule records read from the {prefix}.cancelled stream.",
     ),
+    (
+        "hopsched_unsigned_envelopes",
+        "unsigned_envelopes",
+        "Arrivals of unsigned envelopes relayed while signing keys are set and signatures "
+        "not required (each hop counts); at 0 for the longest delay, require_signatures "
+        "can be turned on.",
+    ),
     ("hopsched_reconnects", "reconnects", "Connections to the broker opened after the first."),
     (
         "hopsched_returned_early",
@@ -76,6 +83,8 @@ _COUNTERS = (
         "waited instead of hopping again at once.",
     ),
 )
+#: ``hopsched_records_refused_total``'s reasons, every one exported (0 until it happens).
+_REFUSED_REASONS = ("unsigned", "bad_signature", "relayed")
 
 #: Bucket bounds as prometheus_client writes its own (``le`` label values: ``0.0001``,
 #: ``1.0``, ``+Inf``), seconds.
@@ -108,6 +117,16 @@ class RelayCollector(Collector):
         for kind, count in snapshot.parked_by_kind.items():
             parked.add_metric([kind.value], count)
         yield parked
+        refused = CounterMetricFamily(
+            "hopsched_records_refused",
+            "Records of the {prefix}.cancelled stream ignored, by reason: unsigned (while "
+            "signatures are required), bad_signature (forged, altered or an unknown key), "
+            "relayed (stream messages a relay delivered there, through a binding).",
+            labels=["reason"],
+        )
+        for reason in _REFUSED_REASONS:
+            refused.add_metric([reason], snapshot.records_refused.get(reason, 0))
+        yield refused
         yield _histogram(
             "hopsched_lateness_seconds",
             "Final publish confirmed - due time, seconds, of messages that were not overdue "

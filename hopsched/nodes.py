@@ -10,6 +10,7 @@ URLs are given; the first that answers serves, as every node reports the whole c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -18,7 +19,14 @@ from hopsched.errors import ManagementAPIError
 from hopsched.management import MANAGEMENT_PORT, ManagementClient, management_urls
 from hopsched.settings import Settings
 
-__all__ = ["MANAGEMENT_PORT", "NodeView", "RelayNodes", "management_urls", "relay_nodes"]
+__all__ = [
+    "MANAGEMENT_PORT",
+    "NodeView",
+    "RelayNodes",
+    "management_urls",
+    "relay_nodes",
+    "unacknowledged",
+]
 
 
 @dataclass
@@ -69,6 +77,37 @@ async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayN
             )
         )
     return RelayNodes(nodes=_views(found), source=client.source)
+
+
+async def unacknowledged(
+    settings: Settings, consumers: Mapping[str, int], urls: list[str]
+) -> dict[str, int] | str:
+    """The deliveries consumers hold unacknowledged on each queue of ``consumers``
+    (``messages_unacknowledged``), from the first management API of ``urls`` that
+    answers, or why none could tell. RabbitMQ refreshes these figures every
+    ``collect_statistics_interval`` (5 s by default,
+    https://www.rabbitmq.com/docs/management#statistics-interval): figures that do not
+    show ``consumers`` (each queue's consumer count, as AMQP reports it now) predate
+    them and count as unknown. Never raises for an API that cannot be reached or
+    refuses."""
+    client = ManagementClient(settings, urls)
+    try:
+        found = {
+            name: await client.get(f"queues/{client.vhost}/{quote(name, safe='')}")
+            for name in consumers
+        }
+    except ManagementAPIError as error:
+        return f"the management API answers nowhere: {error}"
+    counts = {}
+    for name, queue in found.items():
+        count = queue.get("messages_unacknowledged")
+        if not isinstance(count, int) or queue.get("consumers") != consumers[name]:
+            return (
+                f"the management API at {client.source} has no figures for {name} since "
+                "its consumers came (RabbitMQ refreshes them every 5 s by default)"
+            )
+        counts[name] = count
+    return counts
 
 
 def _views(found: dict[str, Any]) -> dict[str, NodeView]:

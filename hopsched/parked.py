@@ -30,9 +30,9 @@ from hopsched.envelope import (
     HEADER_ROUTING_KEY,
     unparked_properties,
 )
-from hopsched.errors import HopschedError
+from hopsched.errors import PrefixNotDeclaredError
 from hopsched.settings import Settings
-from hopsched.topology import Topology
+from hopsched.topology import Progress, Topology
 
 __all__ = ["ParkedListing", "ParkedMessage", "ReplayResult", "list_parked", "replay_parked"]
 
@@ -121,8 +121,8 @@ async def list_parked(settings: Settings, *, limit: int | None = None) -> Parked
 
     Raises:
         BrokerUnavailableError: cannot connect. TopologyMismatchError: the prefix's queues
-        exist with other arguments (e.g. another queue type). HopschedError: no parked
-        queue.
+        exist with other arguments (e.g. another queue type). PrefixNotDeclaredError: no
+        parked queue.
     """
     found: list[ParkedMessage] = []
     async with _parked_messages(settings) as (_, total, messages):
@@ -133,9 +133,16 @@ async def list_parked(settings: Settings, *, limit: int | None = None) -> Parked
     return ParkedListing(found, total)
 
 
-async def replay_parked(settings: Settings, ids: Collection[str] | None) -> ReplayResult:
+async def replay_parked(
+    settings: Settings, ids: Collection[str] | None, *, progress: Progress | None = None
+) -> ReplayResult:
     """Move parked messages back to the relay queue: those whose schedule id is in
     ``ids``, or all of them if ``ids`` is None.
+
+    One at a time, each published (confirmed) before the parked one is acked: stopped at
+    any instant (even killed), it loses nothing and duplicates at most the one in flight;
+    run it again to replay the rest. ``progress`` is called after each confirmed replay,
+    with the count so far (``Progress``).
 
     A message parked because its ``user_id`` was not the relay's login is left parked
     unless this connection logs in as that user (RabbitMQ checks ``user_id``,
@@ -143,8 +150,8 @@ async def replay_parked(settings: Settings, ids: Collection[str] | None) -> Repl
 
     Raises:
         BrokerUnavailableError: cannot connect. TopologyMismatchError: the prefix's queues
-        exist with other arguments (e.g. another queue type). HopschedError: no parked
-        queue.
+        exist with other arguments (e.g. another queue type). PrefixNotDeclaredError: no
+        parked queue.
     """
     result = ReplayResult(replayed=[], left={})
     topology = Topology.from_settings(settings)
@@ -174,8 +181,10 @@ async def replay_parked(settings: Settings, ids: Collection[str] | None) -> Repl
             if not isinstance(confirm, Basic.Ack):
                 result.left[name] = f"the broker refused the replay ({confirm!r})"
                 continue
-            await delivered.channel.basic_ack(delivered.delivery_tag or 0)
             result.replayed.append(name)
+            if progress is not None:  # before the ack: stopped here, this one is duplicated
+                progress(f"replayed to {topology.relay_queue}", len(result.replayed))
+            await delivered.channel.basic_ack(delivered.delivery_tag or 0)
     return result
 
 
@@ -192,9 +201,11 @@ async def _parked_messages(
     async with connection:
         depth = (await topology.inspect(connection))[queue]
         if depth is None:
-            raise HopschedError(
+            raise PrefixNotDeclaredError(
                 f"queue {queue!r} does not exist on {settings.masked_url}: nothing was ever "
-                "declared with this prefix (check --prefix / HOPSCHED_PREFIX)"
+                "declared with this prefix (check --prefix / HOPSCHED_PREFIX)",
+                prefix=settings.prefix,
+                queue=queue,
             )
         channel = await connection.channel(publisher_confirms=False)
         getter = await channel.get_underlay_channel()

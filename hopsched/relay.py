@@ -30,7 +30,7 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
-from hopsched.decide import Cancel, Decider, Park, ParkKind, Wait
+from hopsched.decide import NOTICED, Cancel, Decider, Park, ParkKind, Wait
 from hopsched.envelope import (
     HEADER_EXCHANGE,
     HEADER_HOP_CLOCK,
@@ -115,10 +115,17 @@ class Relay:
             settings.login,
             settings.target_policy,
             int(settings.target_retry_s * 1_000_000),
+            settings.signatures,
         )
         self.overshoot = OvershootTracker()
         self.cancellations = Cancellations(CANCEL_RETENTION_US)
-        self.cancel_reader = CancelReader(self.topology.cancel_stream, self.cancellations, clock)
+        self.cancel_reader = CancelReader(
+            self.topology.cancel_stream,
+            self.cancellations,
+            clock,
+            settings.signatures,
+            self.stats.record_tally,
+        )
         self._shutdown_timeout_s = shutdown_timeout_s
         self._stop_by = math.inf  # time.monotonic() by which run() returns once stopping
         self._stopping = asyncio.Event()
@@ -424,6 +431,7 @@ class _Session:
             margin_ms=self.relay.overshoot.margin_ms(
                 now, floor_ms=ladder.hop_margin_ms, cap_ms=ladder.hold_window_ms
             ),
+            body=delivery.body,
             cancellations=self.relay.cancellations,
             rerouted=bool(nacks or again),
         )
@@ -438,6 +446,8 @@ class _Session:
             self.acker.done(delivery.delivery_tag)
             return
         envelope = decision.envelope
+        if envelope.owner is None and self.relay.decider.signatures.enabled:
+            self.stats.unsigned += 1
         if isinstance(decision.plan, Hop):
             self._hop(delivery, envelope, decision.plan.step_ms, nacks=nacks)
             return
@@ -462,7 +472,10 @@ class _Session:
         earlier, it is held again for the new time (rescheduled later, its release finds
         the new time and routes it again)."""
         verdict = self.relay.cancellations.verdict(
-            final.envelope.schedule_id, final.envelope.created_us, final.envelope.due_us
+            final.envelope.schedule_id,
+            final.envelope.created_us,
+            final.envelope.due_us,
+            final.envelope.owner,
         )
         if verdict == CANCEL:
             self._release(final)
@@ -508,7 +521,7 @@ class _Session:
             if not held:
                 del self.held_by_id[envelope.schedule_id]
         verdict = self.relay.cancellations.verdict(
-            envelope.schedule_id, envelope.created_us, envelope.due_us
+            envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
         )
         if verdict is None:
             self._deliver(final)
@@ -706,6 +719,10 @@ class _Session:
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_parked(park.kind)
                 self.acker.done(delivery.delivery_tag)
+                if park.kind in NOTICED:
+                    self.relay.cancel_reader.note_parked(
+                        self.publisher, _schedule_id(delivery), park.kind
+                    )
                 if self.stats.first_problem(target, f"parked ({park.kind})"):
                     log.warning(
                         "parked a message for %s (schedule id %s): %s",

@@ -3,51 +3,55 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-import math
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from decimal import Decimal
 from types import TracebackType
 from typing import Any
 
 import aio_pika
-from pamqp.commands import Basic
 
 from hopsched import amqp
-from hopsched.amqp.wire import FRAME_OVERHEAD
 from hopsched.cancel import CANCEL, RESCHEDULE, Record, encode_records
-from hopsched.clock import MAX_DUE_US, datetime_to_us, now_us, timedelta_to_us, us_to_datetime
+from hopsched.clock import now_us, us_to_datetime
 from hopsched.connect import Connector
-from hopsched.envelope import PERSISTENT, Envelope, callers_headers, first_hop_properties
 from hopsched.errors import (
+    AccessRefusedError,
     BrokerConnectionLost,
     BrokerUnavailableError,
     ChannelClosedError,
     HopschedError,
     InvalidScheduleError,
+    MessageTooLargeError,
     PublishRejectedError,
     PublishTimeoutError,
     TargetRefused,
     Unroutable,
 )
-from hopsched.ladder import US_PER_MS, Hop
 from hopsched.policies import PolicyReport
 from hopsched.policy_watch import warn_on_risk
+from hopsched.prepare import (
+    Checked,
+    ScheduleRequest,
+    check_request,
+    check_schedule_id,
+    due_time_us,
+    encode_properties,
+)
 from hopsched.publisher import LADDER_LANE, Publisher
+from hopsched.routes import check_route
 from hopsched.settings import Settings
-from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology, declare_topology
-from hopsched.validate import check_expiration, check_headers, shorten
+from hopsched.topology import Topology, declare_topology
 
 __all__ = [
     "CANCEL_LEAD_S",
-    "MAX_SCHEDULE_ID_BYTES",
     "Cancelled",
-    "ScheduleRequest",
     "Scheduled",
     "Scheduler",
 ]
@@ -58,10 +62,8 @@ __all__ = [
 CANCEL_LEAD_S = 0.05
 #: Records per stream message of ``cancel_many``.
 _RECORDS_PER_MESSAGE = 1000
-
-#: The longest schedule id, bytes of UTF-8 (it is also the default ``message_id``, an
-#: AMQP short string).
-MAX_SCHEDULE_ID_BYTES = 255
+#: How RabbitMQ words a body over its ``max_message_size`` (406), 3.10 and 4.0.
+_TOO_LARGE = re.compile(r"message size \d+ is larger than (configured )?max size \d+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,84 +104,6 @@ class Cancelled:
     in_time: bool | None
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduleRequest:
-    """One message for ``schedule_many()``: the arguments of ``schedule()``."""
-
-    message: aio_pika.abc.AbstractMessage | bytes
-    routing_key: str
-    at: datetime | None = None
-    delay: timedelta | float | None = None
-    exchange: str = ""
-    schedule_id: str | None = None
-
-
-def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:
-    """The due time in µs since the epoch from exactly one of ``at`` and ``delay``.
-
-    Fractions of a microsecond round up, so a due time is never earlier than asked.
-
-    Raises:
-        InvalidScheduleError: both or neither given, a naive datetime, a non-finite delay,
-            a due time after year 9999.
-    """
-    due_us = _due_time_us(at, delay, now)
-    if due_us > MAX_DUE_US:
-        raise InvalidScheduleError(
-            f"the due time is after year 9999 ({delay if at is None else at}): use a shorter delay"
-        )
-    # Before 1970 is long past due, like a negative delay: due at the epoch, delivered at
-    # once (the envelope carries no negative due time).
-    return max(due_us, 0)
-
-
-def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:
-    if (at is None) == (delay is None):
-        raise InvalidScheduleError("give exactly one of at= (a datetime) and delay=")
-    if at is not None:
-        if not isinstance(at, datetime):
-            raise InvalidScheduleError(f"at={shorten(at)}: must be a datetime")
-        if at.tzinfo is None or at.utcoffset() is None:
-            raise InvalidScheduleError(
-                f"at={at.isoformat()} is a naive datetime, which could mean any time zone. "
-                "Pass an aware one, e.g. datetime.now(timezone.utc) + timedelta(minutes=30) "
-                "or datetime(2030, 1, 1, 9, tzinfo=ZoneInfo('Europe/London'))"
-            )
-        return datetime_to_us(at)
-    # A delay of zero or less means now (an ``at`` in the past keeps its instant).
-    if isinstance(delay, timedelta):
-        return now + max(0, timedelta_to_us(delay))
-    if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
-        raise InvalidScheduleError(f"delay={shorten(delay)}: must be a timedelta or finite seconds")
-    if delay <= 0:
-        return now
-    if delay > MAX_DUE_US / 1_000_000:  # no 300-digit Decimal below
-        return MAX_DUE_US + 1
-    if type(delay) is int:
-        return now + delay * 1_000_000
-    # A float with whole µs: below 2**30 s a float's steps are under 0.25 µs, so the µs
-    # count that gives back exactly this float is the one its shortest repr spells.
-    micros = round(delay * 1_000_000)
-    if delay < 2**30 and micros / 1_000_000 == delay:
-        return now + micros
-    # Otherwise the Decimal of its shortest repr: exact, where delay * 1e6 rounds.
-    return now + math.ceil(Decimal(repr(delay)) * 1_000_000)
-
-
-@dataclass(slots=True)
-class _Checked:
-    """A ``schedule()`` call found valid, not yet encoded."""
-
-    body: bytes
-    properties: Basic.Properties  # the caller's, headers apart
-    headers: amqp.Table  # the caller's, checked and encoded
-    envelope: Envelope
-    hop_expires_us: int | None
-    exchange: str
-    routing_key: str
-    queue: str
-
-
 @dataclass(slots=True)
 class _Prepared:
     """A checked ``schedule()`` call, ready to publish."""
@@ -194,21 +118,6 @@ class _Prepared:
     nacks: int = field(default=0)  # times the broker nacked it so far
 
 
-#: Basic properties that are AMQP short strings (at most 255 bytes).
-_SHORT_STRINGS = (
-    "content_type",
-    "content_encoding",
-    "correlation_id",
-    "reply_to",
-    "message_id",
-    "message_type",
-    "user_id",
-    "app_id",
-)
-#: Room a content header needs beside the caller's headers: the envelope's entries and
-#: every other property at its longest, bytes.
-_PROPERTIES_ALLOWANCE = 6 * 1024
-
 #: ``schedule_many`` encodes and publishes this many, then lets the event loop send
 #: them and read confirms while it goes on (the broker works meanwhile).
 _SLICE = 500
@@ -222,10 +131,14 @@ class Scheduler:
     """Schedules AMQP messages for delivery at a future instant.
 
     Use as ``async with Scheduler(settings) as scheduler:``: entering connects and
-    declares the topology (idempotent). It reconnects by itself: a call made while
-    the broker is down raises ``BrokerUnavailableError`` at once, and the next one after
-    the broker is back works. ``close()`` releases the connection; a Scheduler used
-    again after it connects anew.
+    checks that the prefix exists (its relay queue: a relay or ``hopsched declare`` ran
+    with it), declaring again any of its queues that went missing. A prefix that does
+    not exist (a mistyped one) is refused with ``PrefixNotDeclaredError``, as a message
+    scheduled there would wait for ever; ``declare=True`` declares it instead. It
+    reconnects by itself: a call made while the broker is down raises
+    ``BrokerUnavailableError`` at once, and the next one after the broker is back
+    works. ``close()`` releases the connection; a Scheduler used again after it
+    connects anew.
 
     With several node URLs it connects to one (``first_url``: the index of the first to
     try, default random) and, after losing it, to the next that answers: a call made
@@ -233,8 +146,18 @@ class Scheduler:
     publish the broker nacks (a quorum leader election) is sent again until
     ``Settings.publish_timeout_s``.
 
+    Args:
+        settings: the broker, prefix and ladder.
+        clock: µs since the Unix epoch (tests pass a fake one).
+        first_url: see above.
+        declare: declare the prefix's topology if it does not exist (as a relay and
+            ``hopsched declare`` do), rather than refuse it.
+        management_url: the management API's base URL(s), comma-separated, for
+            ``check_target`` (default ``http://HOST:15672/`` for each URL's host).
+
     Raises (on enter):
         BrokerUnavailableError: cannot connect or log in (URL shown masked).
+        PrefixNotDeclaredError: without ``declare``, the prefix has no relay queue.
         TopologyMismatchError: the prefix's queues exist with other arguments.
     """
 
@@ -244,13 +167,18 @@ class Scheduler:
         *,
         clock: Callable[[], int] = now_us,
         first_url: int | None = None,
+        declare: bool = False,
+        management_url: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
+        self.declare = declare
+        self._management_url = management_url
         self.topology = Topology.from_settings(self.settings)
         self.producer = f"{socket.gethostname()}/{os.getpid()}"
         self._ladder = self.settings.ladder
         self._clock = clock
         self._targets = self.settings.target_policy
+        self._signatures = self.settings.signatures
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
@@ -318,14 +246,35 @@ class Scheduler:
     async def _connect(self) -> Publisher:
         connection = await self._connector.connect()
         if not self._declared:
-            # not the cancellation stream: scheduling must not wait on it (cancel declares it)
             try:
-                await self._declare(self.topology.queues_but_stream())
+                await self._declare_topology(create=self.declare)
             except BaseException:
                 await connection.close()
                 raise
-            self._declared = True
         return Publisher(connection)
+
+    async def _declare_topology(self, *, create: bool) -> None:
+        """Declare every queue but the cancellation stream (scheduling must not wait on
+        it: cancel declares it); without ``create`` only if the relay queue exists.
+
+        A user that may not declare (the producer's grant, docs/security.md) schedules
+        on a prefix that exists: its relays declare what is missing.
+
+        Raises:
+            PrefixNotDeclaredError: without ``create``, no relay queue.
+        """
+        try:
+            await declare_topology(
+                self.settings,
+                self.topology.queues_but_stream(),
+                first=self._connector.url,
+                existing=not create,
+            )
+        except AccessRefusedError:
+            if create:
+                raise
+            # (without create, declare_topology found the relay queue first: it exists)
+        self._declared = True
 
     async def _declare(self, names: Iterable[str]) -> None:
         """Declare ``names`` on the node this scheduler is on, if it answers."""
@@ -340,6 +289,8 @@ class Scheduler:
         exchange: str = "",
         routing_key: str,
         schedule_id: str | None = None,
+        declare: bool = False,
+        check_target: bool = False,
     ) -> Scheduled:
         """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after ``delay``.
 
@@ -355,6 +306,13 @@ class Scheduler:
             exchange: target exchange at due time; "" is the default exchange.
             routing_key: target routing key (for "": the queue name).
             schedule_id: the id to carry; a new UUID by default.
+            declare: declare the prefix's topology first if it does not exist (as
+                ``Scheduler(declare=True)`` does).
+            check_target: first check, publishing nothing, that the target exchange
+                exists and routes the routing key to a queue (``routes.check_route``:
+                a passive declare; for an exchange other than the default one, its
+                bindings from the management API). A target broken at due time is
+                parked; this finds it now. It checks the bindings of this instant.
 
         Returns:
             ``Scheduled`` with the schedule id and the due time, once the broker has
@@ -363,11 +321,17 @@ class Scheduler:
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
                 both/neither of at/delay, a routing key or exchange longer than 255
-                bytes, a target ``Settings.allowed_targets`` does not allow, a header or
+                bytes, a target ``Settings.allowed_targets`` does not allow or one of
+                hopsched's own objects (exchange or queue ``{prefix}.…``), a header or
                 ``expiration`` AMQP or RabbitMQ cannot carry, headers too large for one
                 frame, a ``user_id`` other than the login.
             BrokerUnavailableError: no broker answers; ``BrokerConnectionLost`` (a
                 subclass) if the connection went during the call.
+            PrefixNotDeclaredError: the prefix has no relay queue (a mistyped prefix?)
+                and neither this call nor the Scheduler asked to declare it.
+            UnroutableTargetError: with ``check_target``, the target would not take it
+                (an ``InvalidScheduleError`` and an ``Unroutable``).
+            TargetCheckError: with ``check_target``, it could not be told.
             PublishTimeoutError: no confirm within ``Settings.publish_timeout_s``.
             PublishRejectedError: the broker refused the message (``TargetRefused``,
                 ``Unroutable`` are subclasses).
@@ -380,13 +344,22 @@ class Scheduler:
         checked = self._check(
             ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id)
         )
+        if declare and not self._declared:
+            await self._declare_topology(create=True)
+        if check_target:
+            await self._check_target(checked)
         result = (await self._send([checked]))[0]
         if isinstance(result, BaseException):
             raise result
         return result
 
     async def schedule_many(
-        self, requests: Iterable[ScheduleRequest], *, return_exceptions: bool = False
+        self,
+        requests: Iterable[ScheduleRequest],
+        *,
+        return_exceptions: bool = False,
+        declare: bool = False,
+        check_target: bool = False,
     ) -> list[Scheduled | HopschedError]:
         """Schedule many messages with their confirms in flight together.
 
@@ -397,6 +370,9 @@ class Scheduler:
         Returns:
             ``Scheduled`` for each request, in order; with ``return_exceptions`` a
             failed one gives its error in its place instead of raising it.
+
+        ``declare`` and ``check_target`` are ``schedule()``'s (each distinct target is
+        checked once, before anything is sent).
 
         Raises:
             As ``schedule()``: without ``return_exceptions``, the first failure once all
@@ -409,6 +385,14 @@ class Scheduler:
                 checked.append(self._check(request))
             except InvalidScheduleError as error:
                 raise InvalidScheduleError(f"request {index}: {error}") from None
+        if declare and not self._declared:
+            await self._declare_topology(create=True)
+        if check_target:
+            targets = {
+                (c.envelope.exchange, c.envelope.routing_key, repr(c.headers)): c for c in checked
+            }
+            for one in targets.values():
+                await self._check_target(one)
         results = await self._send(checked)
         if not return_exceptions:
             for result in results:
@@ -420,6 +404,10 @@ class Scheduler:
 
     async def cancel(self, schedule: str | Scheduled, *, due: datetime | None = None) -> Cancelled:
         """Cancel a schedule: its messages scheduled before now are not delivered.
+
+        With ``Settings.signing_keys`` the cancel is signed with each key and reaches the
+        messages signed with one of them; without, the unsigned ones only (where the
+        relays hold keys; docs/security.md).
 
         Args:
             schedule: the schedule id, or what ``schedule()`` returned (which gives the
@@ -467,7 +455,8 @@ class Scheduler:
         delay: timedelta | float | None = None,
     ) -> Scheduled:
         """Move a schedule's messages (those scheduled before now) to a new due time,
-        without sending them again.
+        without sending them again (signed as ``cancel()`` is, and reaching the same
+        messages).
 
         A later time holds in every case. An earlier one takes effect at the message's
         next visit to a relay: at once if a relay holds it (the last
@@ -490,7 +479,7 @@ class Scheduler:
     def _identify(self, schedule: str | Scheduled, due: datetime | None) -> tuple[str, int | None]:
         if isinstance(schedule, Scheduled):
             return schedule.schedule_id, schedule.due_us
-        schedule_id = _check_schedule_id(schedule)
+        schedule_id = check_schedule_id(schedule)
         if due is None:
             return schedule_id, None
         return schedule_id, due_time_us(due, None, 0)
@@ -503,9 +492,12 @@ class Scheduler:
         """
         stream = self.topology.cancel_stream
         if not self._stream_declared:
-            await self._declare([stream])
+            await self._connected()  # first: a prefix that does not exist is refused
+            with contextlib.suppress(AccessRefusedError):  # a producer: the relays declared it
+                await self._declare([stream])
             self._stream_declared = True
         properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)
+        records = self._signatures.sign_records(records)
         writes = [
             _Prepared(
                 encode_records(records[start : start + _RECORDS_PER_MESSAGE]),
@@ -521,89 +513,38 @@ class Scheduler:
             if isinstance(result, BaseException):
                 raise result
 
-    def _check(self, request: ScheduleRequest) -> _Checked:
-        """Check a call, or raise InvalidScheduleError."""
-        now = self._clock()
-        due_us = due_time_us(request.at, request.delay, now)
-        exchange, routing_key = request.exchange, request.routing_key
-        _check_name("exchange", exchange)
-        _check_name("routing_key", routing_key)
-        if refusal := self._targets.refusal(exchange, routing_key):
-            raise InvalidScheduleError(refusal)
-        schedule_id = _check_schedule_id(request.schedule_id)
-        body, callers = _body_and_properties(request.message)
-        if callers.user_id is not None and callers.user_id != self.settings.login:
-            raise InvalidScheduleError(
-                f"user_id={callers.user_id!r}: RabbitMQ accepts only the login user "
-                f"({self.settings.login!r}) here, and the relay must log in as it too "
-                "(https://www.rabbitmq.com/docs/validated-user-id)"
-            )
-        checked = check_headers(callers.headers)  # names what it refuses
-        try:
-            headers = callers_headers(checked)
-        except (TypeError, ValueError) as error:
-            raise InvalidScheduleError(f"headers: {error}") from None
-        callers.headers = None  # encoded apart, above
-        self._check_sizes(callers, headers)
-        plan = self._ladder.plan(now_us=now, due_us=due_us)
-        envelope = Envelope(
-            created_us=now,
-            schedule_id=schedule_id,
-            due_us=due_us,
-            exchange=exchange,
-            routing_key=routing_key,
-            hops=1 if isinstance(plan, Hop) else 0,
-            expiration=check_expiration(callers.expiration),
-            delivery_mode=None
-            if callers.delivery_mode == PERSISTENT
-            else callers.delivery_mode or 0,
+    async def _check_target(self, checked: Checked) -> None:
+        """``routes.check_route`` for a checked call's target and headers."""
+        await check_route(
+            self.settings,
+            checked.envelope.exchange,
+            checked.envelope.routing_key,
+            dict(checked.headers),
+            management_url=self._management_url,
+            first=self._connector.url,
         )
-        if isinstance(plan, Hop):  # lets the relay measure how late the hop comes back
-            hop_expires: int | None = now + plan.step_ms * US_PER_MS
-            queue = self.topology.step_queue(plan.step_ms)
-            target = ("", queue)
-        else:
-            hop_expires = None
-            queue = self.topology.relay_queue
-            target = (self.topology.expired_exchange, DEAD_LETTER_ROUTING_KEY)
-        return _Checked(body, callers, headers, envelope, hop_expires, *target, queue)
 
-    def _check_sizes(self, properties: Basic.Properties, headers: amqp.Table) -> None:
-        """Refuse, before anything is sent, a property longer than an AMQP short string
-        or headers that cannot fit in one frame with the envelope (the publish checks
-        the exact size again)."""
-        for name in _SHORT_STRINGS:
-            value = getattr(properties, name, None)
-            if isinstance(value, str) and len(value.encode()) > 255:
-                raise InvalidScheduleError(
-                    f"{name} {shorten(value)}: AMQP carries at most 255 bytes (UTF-8) there"
-                )
+    def _check(self, request: ScheduleRequest) -> Checked:
+        """Check a call (``prepare.check_request``), or raise InvalidScheduleError."""
         publisher = self._publisher
-        frame_max = publisher.connection.frame_max if publisher is not None else 131_072
-        budget = frame_max - FRAME_OVERHEAD - _PROPERTIES_ALLOWANCE
-        if headers.encoded_size() > budget:
-            raise InvalidScheduleError(
-                f"the headers take {headers.encoded_size()} bytes encoded; with the "
-                f"envelope they would not fit in one frame ({frame_max} bytes, the "
-                "negotiated frame_max): move large values into the body"
-            )
+        checked = check_request(
+            request,
+            now_us=self._clock(),
+            ladder=self._ladder,
+            topology=self.topology,
+            targets=self._targets,
+            login=self.settings.login,
+            frame_max=publisher.connection.frame_max if publisher is not None else 131_072,
+        )
+        checked.envelope = self._signatures.sign_envelope(checked.envelope, checked.body)
+        return checked
 
-    def _build(self, checked: _Checked) -> _Prepared:
+    def _build(self, checked: Checked) -> _Prepared:
         """Encode a checked call's publish, or raise InvalidScheduleError."""
         envelope = checked.envelope
-        try:
-            properties = first_hop_properties(
-                amqp.Properties.from_pamqp(checked.properties),
-                envelope,
-                headers=checked.headers,
-                hop_expires_us=checked.hop_expires_us,
-                producer=self.producer,
-            ).encode()
-        except (TypeError, ValueError) as error:
-            raise InvalidScheduleError(f"a property AMQP cannot carry: {error}") from None
         return _Prepared(
             checked.body,
-            properties,
+            encode_properties(checked, self.producer),
             checked.exchange,
             checked.routing_key,
             checked.queue,
@@ -611,11 +552,11 @@ class Scheduler:
         )
 
     async def _send(
-        self, checked: Sequence[_Checked | _Prepared]
+        self, checked: Sequence[Checked | _Prepared]
     ) -> list[Scheduled | HopschedError]:
         """Publish every checked call (encoding it in slices), confirms in flight
         together; the results (or errors) in order."""
-        prepared: list[_Checked | _Prepared] = list(checked)
+        prepared: list[Checked | _Prepared] = list(checked)
         timeout_s = self.settings.publish_timeout_s
         results: list[Scheduled | HopschedError | None] = [None] * len(prepared)
         try:
@@ -634,7 +575,7 @@ class Scheduler:
 
     async def _round(
         self,
-        prepared: list[_Checked | _Prepared],
+        prepared: list[Checked | _Prepared],
         todo: list[int],
         results: list[Scheduled | HopschedError | None],
     ) -> list[int]:
@@ -657,7 +598,7 @@ class Scheduler:
             if count % _SLICE == 0:  # let this slice leave while the next is encoded
                 await asyncio.sleep(0)
             item = prepared[index]
-            if isinstance(item, _Checked):
+            if isinstance(item, Checked):
                 try:
                     item = prepared[index] = self._build(item)
                 except InvalidScheduleError as error:
@@ -738,6 +679,11 @@ class Scheduler:
                 "x-overflow=reject-publish, or an unavailable one)"
             )
         if isinstance(detail, ChannelClosedError):
+            if detail.reply_code == 406 and _TOO_LARGE.search(detail.reply_text):
+                return MessageTooLargeError(
+                    f"the broker refused the message: {detail}. Store large data elsewhere "
+                    "and schedule a reference to it (or raise max_message_size)"
+                )
             return TargetRefused(f"the broker refused the message: {detail}")
         if isinstance(detail, BrokerUnavailableError):
             self._publisher = None
@@ -748,59 +694,5 @@ class Scheduler:
         return PublishRejectedError(f"{outcome.value}: {detail}")
 
 
-def _nacked(item: _Checked | _Prepared) -> bool:
+def _nacked(item: Checked | _Prepared) -> bool:
     return isinstance(item, _Prepared) and item.nacks > 0
-
-
-def _body_and_properties(
-    message: aio_pika.abc.AbstractMessage | bytes,
-) -> tuple[bytes, Basic.Properties]:
-    """A message's body and pamqp properties (bytes: persistent, nothing else set).
-
-    Raises:
-        InvalidScheduleError: neither an aio-pika message nor bytes, or a property
-            aio-pika cannot encode.
-    """
-    if isinstance(message, (bytes, bytearray)):
-        return bytes(message), Basic.Properties(delivery_mode=PERSISTENT)
-    # (an ABC's isinstance is slow: the concrete class first)
-    if type(message) is not aio_pika.Message and not isinstance(
-        message, aio_pika.abc.AbstractMessage
-    ):
-        raise InvalidScheduleError(
-            f"message {shorten(message)}: must be an aio_pika.Message or bytes"
-        )
-    expiration = getattr(message, "expiration", None)
-    if expiration is not None and not isinstance(expiration, (int, float, timedelta, datetime)):
-        raise InvalidScheduleError(
-            f"expiration={shorten(expiration)}: aio-pika takes seconds (int or float), a "
-            "timedelta or a datetime; the final publish carries it as RabbitMQ's ms string"
-        )
-    try:
-        return message.body, message.properties
-    except (TypeError, ValueError) as error:
-        raise InvalidScheduleError(f"a property of the message: {error}") from None
-
-
-def _check_name(name: str, value: object) -> None:
-    if type(value) is not str or (len(value) > 63 and len(value.encode()) > 255):
-        raise InvalidScheduleError(
-            f"{name} {shorten(value)}: must be a str of at most 255 bytes (UTF-8)"
-        )
-
-
-def _check_schedule_id(schedule_id: str | None) -> str:
-    if schedule_id is None:
-        return os.urandom(16).hex()  # as unique as a uuid4's hex, a fifth of the cost
-    if not isinstance(schedule_id, str) or not schedule_id:
-        raise InvalidScheduleError(f"schedule_id={shorten(schedule_id)}: must be a non-empty str")
-    if len(schedule_id.encode()) > MAX_SCHEDULE_ID_BYTES or not schedule_id.isprintable():
-        raise InvalidScheduleError(
-            f"schedule_id={shorten(schedule_id)}: use at most {MAX_SCHEDULE_ID_BYTES} bytes "
-            "of printable characters, e.g. 'order-42-timeout'"
-        )
-    if schedule_id != schedule_id.strip():
-        raise InvalidScheduleError(
-            f"schedule_id={shorten(schedule_id)}: has whitespace at either end; strip it"
-        )
-    return schedule_id

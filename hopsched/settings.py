@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from hopsched.errors import InvalidSettingsError
 from hopsched.ladder import Ladder
+from hopsched.signing import Signatures, SigningKey, parse_signing_keys
 from hopsched.targets import TargetPolicy
 
 __all__ = ["QueueType", "Settings", "mask_url", "split_urls"]
@@ -61,6 +63,82 @@ def _mask_one(url: str) -> str:
     return f"{scheme}://{user}:***@{hostpart}"
 
 
+#: The URL query options hopsched's connections read (aio-pika's and aiormq's names):
+#: each option and the rule its value must follow. Any other option is refused: an option
+#: no connection reads (``frame_max``, a typo) would be silently ignored.
+_OPTIONS = {
+    "heartbeat": "whole seconds from 0 (no heartbeats) to 65534, e.g. heartbeat=30",
+    "auth": "plain (the default: the URL's user and password) or external (the TLS "
+    "client certificate; needs amqps:// and certfile)",
+    "name": "a non-empty connection name",
+    "cafile": "the path of a file of CA certificates (PEM)",
+    "capath": "the path of a directory of CA certificates",
+    "cadata": "CA certificates (DER), base64-encoded",
+    "certfile": "the path of the client certificate (PEM)",
+    "keyfile": "the path of the client certificate's key (PEM); needs certfile",
+    "no_verify_ssl": "0 (verify the broker's certificate, the default) or 1 (do not: tests only)",
+}
+_TLS_OPTIONS = frozenset({"cafile", "capath", "cadata", "certfile", "keyfile", "no_verify_ssl"})
+#: aiormq (which hopsched's declaring and CLI connections use) turns a heartbeat it does
+#: not accept into 0, no heartbeats, silently (``aiormq.connection.parse_heartbeat``).
+_MAX_HEARTBEAT_S = 65534
+
+
+def _option_problem(key: str, value: str, options: Mapping[str, str], tls: bool) -> str | None:
+    """What is wrong with URL query option ``key=value``, or None."""
+    if key in _TLS_OPTIONS and not tls:
+        return "is a TLS option, and the URL is amqp:// (no TLS): use amqps://"
+    if key == "heartbeat":
+        if not (value.isascii() and value.isdigit()) or int(value) > _MAX_HEARTBEAT_S:
+            return "is not whole seconds from 0 to 65534"
+    elif key == "auth":
+        if value.lower() not in ("plain", "external"):
+            return "is not plain or external"
+        if value.lower() == "external" and not (tls and "certfile" in options):
+            return "logs in with the TLS client certificate: use amqps:// and give certfile"
+    elif key == "name":
+        if not value.strip():
+            return "is empty"
+    elif key in ("cafile", "certfile", "keyfile"):
+        if not os.path.isfile(value):
+            return "names no file"
+        if key == "keyfile" and "certfile" not in options:
+            return "needs certfile (the certificate it is the key of)"
+    elif key == "capath":
+        if not os.path.isdir(value):
+            return "names no directory"
+    elif key == "cadata":
+        try:
+            base64.b64decode(value, validate=True)
+        except ValueError:
+            return "is not base64"
+    elif key == "no_verify_ssl" and value not in ("0", "1"):
+        return "is not 0 or 1 (aio-pika reads anything but 0 as 1)"
+    return None
+
+
+def _check_options(url: str) -> None:
+    """Raise InvalidSettingsError for a query option of ``url`` that hopsched's
+    connections do not read, given twice, or with a value they cannot use."""
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    options = dict(pairs)
+    seen: set[str] = set()
+    for key, value in pairs:
+        where = f"url {mask_url(url)!r}: option {key}={value!r}"
+        if key not in _OPTIONS:
+            known = ", ".join(_OPTIONS)
+            raise InvalidSettingsError(
+                f"{where} is not one hopsched reads (it would be ignored); the options are {known}"
+            )
+        if key in seen:
+            raise InvalidSettingsError(f"{where}: given twice; give it once")
+        seen.add(key)
+        problem = _option_problem(key, value, options, parts.scheme == "amqps")
+        if problem is not None:
+            raise InvalidSettingsError(f"{where} {problem}; {key} takes {_OPTIONS[key]}")
+
+
 def _check_url(url: str) -> None:
     """Raise InvalidSettingsError unless ``url`` is an amqp(s) URL with a host and valid port."""
     masked = mask_url(url)
@@ -88,6 +166,7 @@ def _check_url(url: str) -> None:
             f"url {mask_url(url)!r}: the password holds '/', '#', '?' or '@'; "
             "percent-encode it (e.g. '/' as %2F)"
         )
+    _check_options(url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +174,11 @@ class Settings:
     """Everything a Scheduler or Relay needs.
 
     Attributes:
-        url: AMQP URL (``amqp://`` or ``amqps://``; aio-pika's query options such as
-            ``?heartbeat=30`` pass through), or the URLs of several nodes of one
+        url: AMQP URL (``amqp://`` or ``amqps://``; query options, aio-pika's names:
+            ``heartbeat`` (s, 0-65534), ``auth`` (plain, external), ``name``, and for
+            amqps ``cafile``, ``capath``, ``cadata``, ``certfile``, ``keyfile``,
+            ``no_verify_ssl`` (0 or 1); any other, or a value out of range, is refused),
+            or the URLs of several nodes of one
             cluster: a sequence, or one string with the URLs separated by commas (as in
             ``HOPSCHED_URL`` and ``--url``). Stored as that comma-separated string;
             ``urls`` gives the list. They must share the user and vhost (the relay checks
@@ -138,6 +220,14 @@ class Settings:
             HTTP; see docs/operations.md, "Metrics"); 0 (the default): no endpoint.
         metrics_address: the address it listens on: ``127.0.0.1`` (the default, this
             machine only) or e.g. ``0.0.0.0`` / ``::`` for every interface.
+        signing_keys: keys (``SigningKey``, or ``KEY-ID:SECRET`` text with the secret in
+            base64) that sign envelopes and records: the first signs, every one verifies
+            (several during a rotation). Empty (the default): nothing is signed or
+            verified. Never shown: ``repr()`` and errors give key ids only. See
+            docs/security.md.
+        require_signatures: a relay parks unsigned envelopes and ignores unsigned records
+            (False by default, so that a deployment can add keys to every process first);
+            needs ``signing_keys``.
         management_url: base URL(s) of RabbitMQ's management HTTP API, comma-separated
             (``http://rabbit:15672/``), which tells the relay, ``status`` and the
             Scheduler the policies in force (``hopsched.policy_watch``); empty (the
@@ -163,6 +253,8 @@ class Settings:
     allowed_targets: tuple[str, ...] = ()
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
+    signing_keys: tuple[SigningKey | str, ...] = ()
+    require_signatures: bool = False
     management_url: str = ""
 
     def __post_init__(self) -> None:
@@ -219,6 +311,11 @@ class Settings:
             )
         object.__setattr__(self, "allowed_targets", tuple(self.allowed_targets))
         self.target_policy  # noqa: B018 - validates the patterns
+        object.__setattr__(self, "signing_keys", parse_signing_keys(self.signing_keys))
+        object.__setattr__(
+            self, "require_signatures", _flag("require_signatures", self.require_signatures)
+        )
+        self.signatures  # noqa: B018 - a requirement without keys
 
     def __repr__(self) -> str:
         values = ", ".join(
@@ -240,7 +337,13 @@ class Settings:
     @property
     def target_policy(self) -> TargetPolicy:
         """The allow list ``allowed_targets`` describes."""
-        return TargetPolicy(self.allowed_targets)
+        return TargetPolicy(self.allowed_targets, self.prefix)
+
+    @property
+    def signatures(self) -> Signatures:
+        """The signing keys and requirement, for this prefix (``hopsched.signing``)."""
+        keys = cast(tuple[SigningKey, ...], self.signing_keys)  # parsed in __post_init__
+        return Signatures(keys, self.prefix, required=self.require_signatures)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -269,7 +372,8 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Settings from ``HOPSCHED_<FIELD>`` variables (e.g. ``HOPSCHED_URL``,
         ``HOPSCHED_PREFIX``, ``HOPSCHED_QUEUE_TYPE``, ``HOPSCHED_PREFETCH``;
-        ``HOPSCHED_ALLOWED_TARGETS`` is comma-separated), then ``overrides`` whose value
+        ``HOPSCHED_ALLOWED_TARGETS`` and ``HOPSCHED_SIGNING_KEYS`` are comma-separated;
+        ``HOPSCHED_REQUIRE_SIGNATURES`` is true or false), then ``overrides`` whose value
         is not None.
 
         Raises:
@@ -297,6 +401,18 @@ class Settings:
 
 def _masked(value: object) -> object:
     return mask_url(value) if isinstance(value, str) and "://" in value else value
+
+
+def _flag(name: str, value: object) -> bool:
+    """A bool field from a bool or its environment variable's text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidSettingsError(f"{name} {value!r}: use true or false (1 or 0)")
 
 
 def _join_urls(url: object) -> str:

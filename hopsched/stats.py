@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from hdrh.histogram import HdrHistogram
 
+from hopsched.cancel import RecordTally
 from hopsched.decide import ParkKind
 
 __all__ = [
@@ -161,6 +162,9 @@ class RelayStats:
             queue because not even parking worked (``basic.nack``, requeue=false).
         cancelled: messages dropped because their schedule was cancelled.
         records: cancel and reschedule records read from ``{prefix}.cancelled``.
+        record_tally: those records by signature, and the ones ignored for theirs.
+        unsigned: envelopes that reached the relay unsigned and were relayed (it holds
+            signing keys but does not require signatures); each hop counts.
         reconnects: connections opened after the first.
         hop_nacks: hops the broker nacked (a quorum leader election, a node down) and
             the relay tried again after a back-off.
@@ -189,6 +193,8 @@ class RelayStats:
     rejected: int = 0
     cancelled: int = 0
     records: int = 0
+    record_tally: RecordTally = field(default_factory=RecordTally)
+    unsigned: int = 0
     reconnects: int = 0
     hop_nacks: int = 0
     returned_early: int = 0
@@ -206,6 +212,7 @@ class RelayStats:
     _problems: Counter[tuple[str, str]] = field(default_factory=Counter)
     _offset_samples: dict[str, int] = field(default_factory=dict)
     _warned_offsets: set[str] = field(default_factory=set)
+    _refused_reported: int = 0
 
     def record_delivery(self, lateness_us: int, arrived_late_us: int) -> None:
         """A final publish confirmed ``lateness_us`` after the due time, of a message
@@ -290,6 +297,11 @@ class RelayStats:
             for (target, problem), count in sorted(self._problems.items())
             if count > 1
         ]
+        refused = self.record_tally.refused
+        if (total := sum(refused.values())) > self._refused_reported:
+            self._refused_reported = total
+            counts = ", ".join(f"{reason} {count}" for reason, count in sorted(refused.items()))
+            lines.append(f"records of the cancel stream ignored since start: {counts}")
         self._interval = _Counts()
         self._problems.clear()
         self._offset_samples.clear()
@@ -307,10 +319,12 @@ class RelayStats:
                 "cancelled": self.cancelled,
                 "rejected": self.rejected,
                 "cancel_records": self.records,
+                "unsigned_envelopes": self.unsigned,
                 "reconnects": self.reconnects,
                 "returned_early": self.returned_early,
             },
             parked_by_kind=dict(self.parked_by_kind),
+            records_refused=dict(self.record_tally.refused),
             lateness=(self.lateness_buckets.cumulative(), self.lateness_buckets.sum_us),
             overshoot=(self.overshoot_buckets.cumulative(), self.overshoot_buckets.sum_us),
             held=self.held_now(),
@@ -327,8 +341,9 @@ class StatsSnapshot:
     Attributes:
         counters: name -> count since the relay started (``delivered``, ``overdue``,
             ``hops``, ``retries``, ``cancelled``, ``rejected``, ``cancel_records``,
-            ``reconnects``, ``returned_early``; see ``RelayStats``).
+            ``unsigned_envelopes``, ``reconnects``, ``returned_early``; see ``RelayStats``).
         parked_by_kind: messages parked per ``ParkKind``, every kind present.
+        records_refused: records ignored per reason (``RecordTally.refused``).
         lateness, overshoot: cumulative counts per ``BUCKET_BOUNDS_US`` bound then the
             total (``Buckets.cumulative``), and the sum of the values, µs.
         held, in_flight: messages held until due, and publishes awaiting their confirm.
@@ -337,6 +352,7 @@ class StatsSnapshot:
 
     counters: Mapping[str, int]
     parked_by_kind: Mapping[ParkKind, int]
+    records_refused: Mapping[str, int]
     lateness: tuple[list[int], int]
     overshoot: tuple[list[int], int]
     held: int

@@ -5,6 +5,12 @@ exchange (``amq.default``, which hops need) may publish to every queue of the vh
 and topic permissions apply to topic exchanges only
 (https://www.rabbitmq.com/docs/access-control#topic-authorisation). So the relay
 checks each message's target against an allow list before it publishes anything.
+
+Whatever the allow list, hopsched's own namespace is never a target: an exchange named
+``{prefix}.…``, or the default exchange with a routing key ``{prefix}.…`` (a step, the
+relay or parking queue, the cancel stream), is refused by ``schedule()`` and parked by
+the relay, so that nothing reaches hopsched's own queues and stream except through its
+own code paths (F30: a message scheduled to the cancel stream was a forged cancel).
 """
 
 from __future__ import annotations
@@ -49,10 +55,19 @@ class TargetPattern:
 
 
 class TargetPolicy:
-    """An allow list of targets; an empty one allows every target."""
+    """An allow list of targets; an empty one allows every target outside the prefix's
+    own namespace (``internal``).
 
-    def __init__(self, patterns: Iterable[str]) -> None:
+    Args:
+        patterns: ``EXCHANGE/ROUTING-KEY`` globs (``TargetPattern``).
+        prefix: the ladder's prefix, whose objects are never a target; None: no such
+            check (a policy for tests of the allow list alone).
+    """
+
+    def __init__(self, patterns: Iterable[str], prefix: str | None = None) -> None:
         self.patterns = tuple(TargetPattern.parse(text) for text in patterns)
+        self.prefix = prefix
+        self._own = None if prefix is None else f"{prefix}."
         # Targets repeat: remember answers (bounded, so odd traffic cannot grow it).
         self.allows = lru_cache(maxsize=4096)(self._allows)
 
@@ -62,8 +77,31 @@ class TargetPolicy:
             return True
         return any(pattern.matches(exchange, routing_key) for pattern in self.patterns)
 
+    def internal(self, exchange: str, routing_key: str) -> str | None:
+        """Why the target is one of hopsched's own objects (an exchange ``{prefix}.…``,
+        or the default exchange with routing key ``{prefix}.…``), or None if it is not.
+
+        Bindings an operator added from another exchange to hopsched's queues cannot be
+        seen over AMQP 0-9-1; a message relayed through one into the cancel stream is
+        ignored by every relay (``hopsched.cancel_reader``).
+        """
+        own = self._own
+        if own is None or not (
+            exchange.startswith(own) or (exchange == "" and routing_key.startswith(own))
+        ):
+            return None
+        return (
+            f"target exchange {exchange!r} routing key {routing_key!r} is inside hopsched's own "
+            f"namespace {own}* (its step, relay and parking queues, cancel stream and "
+            "exchange): hopsched never delivers there. Give a target of your own; to cancel "
+            "or reschedule, use Scheduler.cancel() or reschedule()"
+        )
+
     def refusal(self, exchange: str, routing_key: str) -> str | None:
-        """Why the target is not allowed, or None if it is."""
+        """Why the target is not allowed (``internal``, or not in the allow list), or None
+        if it is."""
+        if internal := self.internal(exchange, routing_key):
+            return internal
         if self.allows(exchange, routing_key):
             return None
         allowed = ", ".join(repr(str(pattern)) for pattern in self.patterns)

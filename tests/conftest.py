@@ -132,5 +132,5 @@ async def relay(relays: Relays, settings: hopsched.Settings) -> hopsched.Relay:
 async def scheduler(
     settings: hopsched.Settings, cleanup: Cleanup
 ) -> AsyncIterator[hopsched.Scheduler]:
-    async with hopsched.Scheduler(settings) as entered:
+    async with hopsched.Scheduler(settings, declare=True) as entered:
         yield entered

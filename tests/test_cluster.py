@@ -140,7 +140,7 @@ async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateC
     leader = await cluster.leader(f"{settings.prefix}.relay")
     others = [node for node in cluster.nodes if node is not leader]
     index = cluster.nodes.index
-    consumer = Target(cluster, f"{settings.prefix}.target", index(others[0]))
+    consumer = Target(cluster, f"{settings.prefix}-target", index(others[0]))
     target = await consumer.start()
     # one relay on the node about to die, one elsewhere
     relays = [
@@ -217,7 +217,7 @@ async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateC
 async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) -> None:
     settings = cluster_settings(cluster)
     await declare_topology(settings)
-    consumer = Target(cluster, f"{settings.prefix}.target", 0)
+    consumer = Target(cluster, f"{settings.prefix}-target", 0)
     target = await consumer.start()
     relays = [await start_relay(settings, i) for i in (0, 1)]
     scheduled: set[str] = set()

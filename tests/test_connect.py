@@ -157,6 +157,25 @@ async def test_a_silent_endpoint_times_out_with_a_clear_error(
     assert PASSWORD not in str(caught.value)
 
 
+async def test_a_peer_that_takes_tcp_but_never_speaks_is_not_blamed_on_the_port_alone(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a new-user trial (and F38): "is this RabbitMQ's AMQP port?" for a broker
+    that accepted the connection but could not serve it (out of file descriptors)."""
+    url = f"amqp://guest:{PASSWORD}@127.0.0.1:{silent_port}/"
+    with pytest.raises(hopsched.BrokerUnavailableError) as lean:
+        await hopsched.amqp.connect(hopsched.amqp.ConnectionParams.from_url(url), timeout_s=0.5)
+    monkeypatch.setattr(hopsched.connect, "CONNECT_TIMEOUT_S", 0.5)
+    with pytest.raises(hopsched.BrokerUnavailableError) as pika:
+        await hopsched.connect.connect(hopsched.Settings(url=url))
+
+    for error in (lean.value, pika.value):
+        text = str(error)
+        assert "took the TCP connection but sent no AMQP handshake within 0.5 s" in text
+        assert "frozen, overloaded or out of file descriptors" in text
+        assert PASSWORD not in text
+
+
 async def test_relay_stops_at_once_while_still_connecting(silent_port: int) -> None:
     relay = hopsched.Relay(hopsched.Settings(url=f"amqp://guest:guest@127.0.0.1:{silent_port}/"))
     running = asyncio.create_task(relay.run())
@@ -221,7 +240,7 @@ async def test_a_scheduler_on_a_node_declares_there_not_on_a_silent_first_url(
     settings = make_settings(url=f"amqp://guest:guest@127.0.0.1:{silent_port}/,{good}")
 
     started = asyncio.get_running_loop().time()
-    async with hopsched.Scheduler(settings, first_url=1) as scheduler:
+    async with hopsched.Scheduler(settings, first_url=1, declare=True) as scheduler:
         await scheduler.schedule(b"x", delay=3600, routing_key="nowhere")
         assert scheduler.node is not None
     assert asyncio.get_running_loop().time() - started < hopsched.connect.CONNECT_TIMEOUT_S / 2

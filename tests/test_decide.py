@@ -3,12 +3,14 @@ tables: no broker, the clock passed in."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hopsched.cancel import CANCEL, RESCHEDULE, Cancellations, Record
 from hopsched.decide import (
     EARLY_TOLERANCE_US,
     RETRY_FIRST_MS,
@@ -31,11 +33,14 @@ from hopsched.envelope import (
     Envelope,
 )
 from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.signing import Signatures, SigningKey
 from hopsched.targets import TargetPolicy
 
 NOW = 1_800_000_000_000_000  # µs since the epoch
 S = 1_000_000  # µs in a second
-DECIDER = Decider(Ladder(), "guest", TargetPolicy(()), retry_for_us=300 * S)
+DECIDER = Decider(
+    Ladder(), "guest", TargetPolicy(()), retry_for_us=300 * S, signatures=Signatures()
+)
 
 
 def headers(due_in_us: int = 10 * S, **changes: Any) -> dict[str, Any]:
@@ -51,10 +56,20 @@ def decide(
     crowded: bool = False,
     margin_ms: int = 20,
     decider: Decider = DECIDER,
-) -> Park | Route | Wait:
-    decision = decider.decide(values, user_id, NOW, crowded=crowded, margin_ms=margin_ms)
-    assert not isinstance(decision, Cancel)
-    return decision
+    body: bytes = b"",
+    cancellations: Cancellations | None = None,
+    rerouted: bool = False,
+) -> Park | Cancel | Route | Wait:
+    return decider.decide(
+        values,
+        user_id,
+        NOW,
+        crowded=crowded,
+        margin_ms=margin_ms,
+        body=body,
+        cancellations=cancellations,
+        rerouted=rerouted,
+    )
 
 
 @pytest.mark.parametrize(
@@ -79,7 +94,7 @@ def test_what_cannot_be_delivered_is_parked_with_its_reason(
 
 
 def test_a_target_outside_the_allow_list_is_parked() -> None:
-    strict = Decider(Ladder(), "guest", TargetPolicy(["orders/payment.*"]), 300 * S)
+    strict = Decider(Ladder(), "guest", TargetPolicy(["orders/payment.*"]), 300 * S, Signatures())
 
     decision = decide(headers(), decider=strict)
 
@@ -241,9 +256,7 @@ def test_a_hop_that_came_back_early_waits_instead_of_hopping_at_once(
 
 
 def test_an_early_hop_is_routed_normally_once_it_waited() -> None:
-    decision = DECIDER.decide(
-        returned(10 * S), None, NOW, crowded=False, margin_ms=20, rerouted=True
-    )
+    decision = decide(returned(10 * S), rerouted=True)
 
     assert isinstance(decision, Route)
     assert decision.plan == Hop(STEP)
@@ -281,5 +294,121 @@ def test_a_wait_never_outlasts_the_hop_nor_the_cap_and_always_ends(
 
     if isinstance(decision, Wait):
         assert 0 < decision.wait_us <= min(early_us, WAIT_MAX_US)
-    again = DECIDER.decide(values, None, NOW, crowded=False, margin_ms=20, rerouted=True)
+    again = decide(values, rerouted=True)
     assert isinstance(again, Route)  # after its wait it moves on: no loop of waits
+
+
+# --- hopsched's own namespace and signatures (issue 19, F30) --------------------------------
+
+OWN = TargetPolicy((), "app")
+KEY, FOREIGN = SigningKey("alice", b"a" * 32), SigningKey("mallory", b"m" * 32)
+
+
+def decider(keys: tuple[SigningKey, ...] = (), *, required: bool = False) -> Decider:
+    return Decider(Ladder(), "guest", OWN, 300 * S, Signatures(keys, "app", required=required))
+
+
+@pytest.mark.parametrize(
+    ("exchange", "routing_key"),
+    [
+        ("", "app.relay"),
+        ("", "app.step.16"),
+        ("", "app.parked"),
+        ("", "app.cancelled"),
+        ("", "app.anything-later"),
+        ("app.expired", "expired"),
+        ("app.expired", ""),
+    ],
+)
+def test_F30_a_target_in_the_prefixs_namespace_is_parked(exchange: str, routing_key: str) -> None:
+    values = Envelope("id-1", NOW + S, exchange, routing_key).to_headers()
+
+    decision = decide(values, decider=decider())
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "internal_target"
+    assert f"target exchange {exchange!r} routing key {routing_key!r}" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("exchange", "routing_key"),
+    [("", "app"), ("", "apps.relay"), ("", "other.app.relay"), ("application", "app.relay")],
+)
+def test_names_outside_the_namespace_are_targets(exchange: str, routing_key: str) -> None:
+    values = Envelope("id-1", NOW + S, exchange, routing_key).to_headers()
+
+    assert isinstance(decide(values, decider=decider()), Route)
+
+
+def signed(envelope: Envelope, body: bytes, key: SigningKey = KEY) -> dict[str, Any]:
+    return Signatures((key,), "app").sign_envelope(envelope, body).to_headers()
+
+
+def test_F30_a_relay_that_requires_signatures_parks_unsigned_and_forged_envelopes() -> None:
+    strict = decider((KEY,), required=True)
+    envelope = Envelope("id-1", NOW + 10 * S, "orders", "timeout", created_us=NOW - S)
+
+    unsigned = decide(envelope.to_headers(), decider=strict, body=b"b")
+    by_stranger = decide(signed(envelope, b"b", FOREIGN), decider=strict, body=b"b")
+    good = decide(signed(envelope, b"b"), decider=strict, body=b"b")
+
+    assert isinstance(unsigned, Park)
+    assert unsigned.kind == "unsigned"
+    assert isinstance(by_stranger, Park)
+    assert by_stranger.kind == "bad_signature"
+    assert "'mallory'" in by_stranger.reason
+    assert isinstance(good, Route)
+    assert good.envelope.owner == "alice"
+
+
+def test_F30_a_forged_mac_is_parked_before_the_relay_acts_on_the_content() -> None:
+    """A hop only moves a message along the ladder: the MAC is checked once the relay
+    would hold it for delivery, or sign it anew after a reschedule."""
+    strict = decider((KEY,), required=True)
+    envelope = Envelope("id-1", NOW + 10 * S, "orders", "timeout", created_us=NOW - S)
+    forged = signed(envelope, b"the body alice signed")
+
+    hop = decide(forged, decider=strict, body=b"another body")
+    assert isinstance(hop, Route)
+    assert isinstance(hop.plan, Hop)
+    near = signed(dataclasses.replace(envelope, due_us=NOW + S), b"the body alice signed")
+    held = decide(near, decider=strict, body=b"another body")
+    assert isinstance(held, Park)
+    assert held.kind == "bad_signature"
+    assert "does not match its content" in held.reason
+    cancellations = Cancellations(50 * 86_400 * S)
+    cancellations.apply(Record(RESCHEDULE, "id-1", NOW, NOW + 3600 * S, key_id="alice"))
+    moved = decide(forged, decider=strict, body=b"another body", cancellations=cancellations)
+    assert isinstance(moved, Park)  # never signed anew by the relay
+    assert moved.kind == "bad_signature"
+    # not required: the unsigned one is relayed, as its own owner's (nobody's)
+    lenient = decide(envelope.to_headers(), decider=decider((KEY,)), body=b"b")
+    assert isinstance(lenient, Route)
+    assert lenient.envelope.owner is None
+
+
+def test_F30_only_the_owners_records_cancel_or_move_a_signed_message() -> None:
+    envelope = Envelope("victim", NOW + 10 * S, "orders", "timeout", created_us=NOW - S)
+    values, body = signed(envelope, b"b"), b"b"
+    cancellations = Cancellations(50 * 86_400 * S)
+    cancellations.apply(Record(CANCEL, "victim", NOW))  # unsigned
+    cancellations.apply(Record(CANCEL, "victim", NOW, key_id="mallory"))
+    relay = decider((KEY, FOREIGN))
+
+    kept = decide(values, decider=relay, body=body, cancellations=cancellations)
+    assert isinstance(kept, Route)
+    assert kept.envelope.due_us == envelope.due_us
+
+    cancellations.apply(Record(RESCHEDULE, "victim", NOW, NOW + 3600 * S, key_id="alice"))
+    moved = decide(values, decider=relay, body=body, cancellations=cancellations)
+    assert isinstance(moved, Route)
+    assert moved.envelope.due_us == NOW + 3600 * S
+    # signed again, by the owner's key, for its new due time: the next hop verifies
+    assert moved.envelope.owner == "alice"
+    assert moved.envelope.signature != values["x-hopsched-signature"]
+    again = decide(moved.envelope.to_headers(), decider=relay, body=body)
+    assert isinstance(again, Route)
+    assert again.envelope.due_us == NOW + 3600 * S
+
+    cancellations.apply(Record(CANCEL, "victim", NOW + S, key_id="alice"))
+    assert isinstance(decide(values, decider=relay, body=body, cancellations=cancellations), Cancel)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hopsched.clock import datetime_to_us
 from hopsched.errors import HopschedError, InvalidScheduleError
 from hopsched.ladder import Hold, Ladder
-from hopsched.scheduler import due_time_us
+from hopsched.prepare import due_time_us
 
 NOW_US = 1_721_041_200_000_000  # 2024-07-15T11:00:00Z
 SECOND = 1_000_000

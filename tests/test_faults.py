@@ -647,7 +647,7 @@ async def test_f09_dead_lettering_across_a_broker_crash_with_no_relay_running(
     topology = hopsched.Topology.from_settings(settings)
     count = 5000  # 40 MiB: more than one 16 MiB file of the classic message store
     scheduled = Schedule()
-    async with hopsched.Scheduler(settings) as scheduler:  # all into the 4096 ms step
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:  # all into the 4096 ms step
         await scheduled.add(scheduler, [4.2] * count, "nowhere", size=8192)
     connection = await aio_pika.connect(node.url)
     await wait_until_count(connection, topology.relay_queue, 3000, within=30, at_least=True)

@@ -228,7 +228,7 @@ async def test_F22_one_scheduler_across_a_broker_restart(
     forever after. Now: BrokerUnavailableError at once while down, and the same
     Scheduler works again once the broker is back."""
     settings = node_settings(private_broker, prefix)
-    async with hopsched.Scheduler(settings) as scheduler:
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
         await scheduler.schedule(b"first", delay=60, routing_key="anywhere")
         await private_broker.kill()
         for _ in range(3):

@@ -116,7 +116,7 @@ async def test_F02a(settings: hopsched.Settings, queue_type: str) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail("rabbitmqctl is required under CI=true to read queue arguments back")
         pytest.skip("rabbitmqctl not installed (this test never skips under CI=true)")
-    async with hopsched.Scheduler(settings) as scheduler:
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
         topology = scheduler.topology
     stored = await queue_arguments()
     steps = {name: args for name, args in stored.items() if name.startswith(f"{settings.prefix}.")}

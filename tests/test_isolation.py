@@ -150,7 +150,7 @@ async def test_F15_messages_that_waited_for_a_relay_do_not_look_like_a_clock_off
     caplog.set_level(logging.WARNING, "hopsched.relay")
     settings = make_settings()
     target = await targets.queue()
-    async with hopsched.Scheduler(settings) as scheduler:
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
         scheduled = await scheduler.schedule(b"waited", delay=1, routing_key=target.name)
     await asyncio.sleep(5)  # expired about 4 s ago; no relay yet
     relay = await relays.start(settings)

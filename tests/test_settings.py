@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import hopsched_cli
 
 from hopsched.errors import HopschedError, InvalidSettingsError
 from hopsched.ladder import Ladder
@@ -344,3 +345,90 @@ def test_several_urls_must_share_user_and_vhost() -> None:
     with pytest.raises(InvalidSettingsError, match="same user and vhost") as caught:
         Settings(url="amqp://u:s3cret@h1/v,amqp://w:s3cret@h2/v")
     assert "s3cret" not in str(caught.value)
+
+
+# --- URL query options (F33) --------------------------------------------------------------
+
+BASE = "amqp://u:s3cret@h/"
+TLS_BASE = "amqps://u:s3cret@h/"
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        pytest.param("heartbeat=abc", "heartbeat='abc' is not whole seconds", id="F33-abc"),
+        pytest.param("heartbeat=1.5", "heartbeat='1.5' is not whole seconds", id="F33-1.5"),
+        pytest.param("heartbeat=-5", "heartbeat='-5' is not whole seconds", id="F33-negative"),
+        pytest.param("heartbeat=99999", "heartbeat='99999' is not whole", id="F33-99999"),
+        pytest.param("heartbeat=65535", "from 0 to 65534", id="heartbeat-65535"),
+        pytest.param("heartbeat=", "heartbeat='' is not whole seconds", id="heartbeat-empty"),
+        pytest.param("heartbeat=5&heartbeat=10", "given twice", id="heartbeat-twice"),
+        pytest.param("heartbeats=30", "is not one hopsched reads", id="typo"),
+        pytest.param("frame_max=4096", "is not one hopsched reads", id="frame_max-ignored"),
+        pytest.param("auth=kerberos", "is not plain or external", id="auth"),
+        pytest.param("auth=external", "give certfile", id="external-without-tls"),
+        pytest.param("name=", "option name='' is empty", id="name-empty"),
+        pytest.param("cafile=/etc/ca.pem", "use amqps://", id="tls-option-on-amqp"),
+        pytest.param("no_verify_ssl=1", "use amqps://", id="no-verify-on-amqp"),
+    ],
+)
+def test_F33_a_url_option_out_of_range_is_refused_naming_it(query: str, says: str) -> None:
+    with pytest.raises(InvalidSettingsError) as refused:
+        Settings(url=f"{BASE}?{query}")
+
+    text = str(refused.value)
+    assert says in text
+    assert "s3cret" not in text
+    key = query.split("=")[0]
+    assert f"option {key}=" in text
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        pytest.param("cafile=/nonexistent/ca.pem", "names no file", id="cafile-missing"),
+        pytest.param("capath=/nonexistent", "names no directory", id="capath-missing"),
+        pytest.param("keyfile=/etc/hostname", "needs certfile", id="key-without-cert"),
+        pytest.param("cadata=%%%", "is not base64", id="cadata"),
+        pytest.param("no_verify_ssl=false", "is not 0 or 1", id="no_verify_ssl-false"),
+        pytest.param("auth=external", "give certfile", id="external-without-certfile"),
+    ],
+)
+def test_tls_options_are_checked_on_amqps(query: str, says: str) -> None:
+    with pytest.raises(InvalidSettingsError, match=says):
+        Settings(url=f"{TLS_BASE}?{query}")
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["heartbeat=0", "heartbeat=30", "heartbeat=65534", "auth=PLAIN", "name=orders-sched"],
+)
+def test_url_options_in_range_are_accepted(query: str) -> None:
+    assert Settings(url=f"{BASE}?{query}").masked_url == f"amqp://u:***@h/?{query}"
+
+
+def test_tls_options_that_name_real_files_are_accepted() -> None:
+    url = f"{TLS_BASE}?cafile=/etc/hostname&certfile=/etc/hostname&keyfile=/etc/hostname"
+    assert Settings(url=f"{url}&auth=external&no_verify_ssl=0&capath=/etc").url.startswith(url)
+
+
+@given(st.text(max_size=8))
+def test_any_heartbeat_is_accepted_only_as_whole_seconds_in_range(value: str) -> None:
+    url = f"{BASE}?{urlencode({'heartbeat': value})}"
+    valid = value.isascii() and value.isdigit() and int(value) <= 65534
+    if valid:
+        Settings(url=url)
+    else:
+        with pytest.raises(InvalidSettingsError, match="option heartbeat="):
+            Settings(url=url)
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "-5", "99999"])
+async def test_F33_the_cli_says_it_in_one_line_and_exits_2(value: str) -> None:
+    status, out, err = await hopsched_cli("status", "--url", f"{BASE}?heartbeat={value}")
+
+    assert status == 2, (out, err)
+    assert err.count("\n") == 1, err
+    assert err.startswith("Error: ")
+    assert f"heartbeat={value!r}" in err
+    assert "Traceback" not in err

@@ -52,6 +52,7 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
         "cancelled": 1,
         "rejected": 0,
         "cancel_records": 5,
+        "unsigned_envelopes": 0,
         "reconnects": 0,
         "returned_early": 1,
     }

@@ -56,3 +56,28 @@ def test_allowed_targets_from_the_environment() -> None:
     settings = hopsched.Settings.from_env({"HOPSCHED_ALLOWED_TARGETS": "/a, orders/* ,"})
     assert settings.allowed_targets == ("/a", "orders/*")
     assert hopsched.Settings(allowed_targets=["/a"]).allowed_targets == ("/a",)  # type: ignore[arg-type]
+
+
+# --- hopsched's own namespace (issue 19, F30) -------------------------------------------------
+
+
+@given(exchange=names, routing_key=names)
+def test_F30_the_namespace_is_refused_whatever_the_allow_list(
+    exchange: str, routing_key: str
+) -> None:
+    for policy in (TargetPolicy((), "app"), TargetPolicy(["*/*"], "app")):
+        own_exchange = f"app.{exchange}"
+        assert policy.internal(own_exchange, routing_key) is not None
+        assert policy.refusal(own_exchange, routing_key) is not None
+        assert policy.refusal("", f"app.{routing_key}") is not None
+        inside = exchange.startswith("app.") or (exchange == "" and routing_key.startswith("app."))
+        assert (policy.internal(exchange, routing_key) is not None) == inside
+
+
+def test_F30_settings_give_the_policy_their_prefix() -> None:
+    refusal = hopsched.Settings(prefix="orders-sched").target_policy.refusal(
+        "", "orders-sched.cancelled"
+    )
+    assert refusal is not None
+    assert "'orders-sched.cancelled'" in refusal
+    assert "hopsched's own namespace orders-sched.*" in refusal

@@ -40,15 +40,25 @@ def test_the_relay_queue_dead_letters_into_the_parking_queue(queue_type: str) ->
 
 
 def test_the_least_grant_covers_every_object_of_the_prefix() -> None:
-    """Every queue (the stream included) and the exchange match ``permissions()``'
-    configure and read patterns; another prefix's do not."""
+    """Every queue (the stream included) and the exchange match the operator's and the
+    relay's configure patterns and the operator's read; another prefix's do not. The
+    relay may not read the parking queue; the producer configures and reads nothing."""
     topology = hopsched.Topology.from_settings(hopsched.Settings(prefix="app.x"))
-    grant = topology.permissions()
+    operator, relay = topology.permissions("operator"), topology.permissions("relay")
+    producer = topology.permissions("producer", ["orders"])
     names = [*topology.queues(), topology.expired_exchange]
-    for pattern in (grant.configure, grant.read):
+    for pattern in (operator.configure, operator.read, relay.configure):
         assert all(re.match(pattern, name) for name in names), (pattern, names)
         assert not re.match(pattern, "app.y.relay")
         assert not re.match(pattern, "app.xrelay")
+    assert [name for name in names if not re.match(relay.read, name)] == ["app.x.parked"]
+    assert (producer.configure, producer.read) == ("^$", "^$")
+    assert [name for name in ("amq.default", "app.x.expired", "orders", "app.x.relay")
+            if re.match(producer.write, name)] == ["amq.default", "app.x.expired"]  # fmt: skip
+    assert re.match(relay.write, "orders") is None
+    assert re.match(topology.permissions("relay", ["orders"]).write, "orders")
+    with pytest.raises(ValueError, match="one of producer, relay, operator"):
+        topology.permissions("admin")  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(rabbitmqctl_path() is None, reason="needs rabbitmqctl to read arguments")

@@ -756,8 +756,8 @@ def test_a_schedule_id_that_cannot_be_a_business_key_is_refused(
     schedule_id: str, named: str
 ) -> None:
     """The ids the docs rule out are refused by name, before anything is sent."""
-    from hopsched.scheduler import _check_schedule_id
+    from hopsched.prepare import check_schedule_id
 
     with pytest.raises(InvalidScheduleError, match=named):
-        _check_schedule_id(schedule_id)
-    assert _check_schedule_id("order-42-timeout é") == "order-42-timeout é"
+        check_schedule_id(schedule_id)
+    assert check_schedule_id("order-42-timeout é") == "order-42-timeout é"

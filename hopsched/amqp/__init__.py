@@ -14,7 +14,7 @@ loop costs ~100 µs.
 """
 
 from hopsched.amqp.channel import Channel, ConfirmCallback, Delivery, Outcome, Returned
-from hopsched.amqp.connection import Connection, ConnectionParams, connect
+from hopsched.amqp.connection import Connection, ConnectionParams, connect, silent_peer
 from hopsched.amqp.wire import Properties, Table
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "Returned",
     "Table",
     "connect",
+    "silent_peer",
 ]

@@ -14,6 +14,7 @@ confirms, consumer cancel notifications, ``connection.blocked``
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import ssl
 import time
@@ -39,7 +40,7 @@ from hopsched.amqp.wire import (
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
 from hopsched.settings import mask_url
 
-__all__ = ["Connection", "ConnectionParams", "connect"]
+__all__ = ["Connection", "ConnectionParams", "connect", "silent_peer"]
 
 log = logging.getLogger("hopsched.amqp")
 
@@ -55,7 +56,8 @@ class ConnectionParams:
 
     The query options are aio-pika's (and aiormq's), so one URL serves both:
     ``heartbeat`` (s), ``auth=external`` (TLS client certificate), ``cafile``,
-    ``capath``, ``certfile``, ``keyfile``, ``no_verify_ssl=1``, ``name``.
+    ``capath``, ``cadata``, ``certfile``, ``keyfile``, ``no_verify_ssl=1``, ``name``
+    (``Settings`` checks them).
     """
 
     url: str
@@ -102,8 +104,11 @@ class ConnectionParams:
         """The TLS context the query options describe, or None for ``amqp://``."""
         if not self.tls:
             return None
+        cadata = self.options.get("cadata")
         context = ssl.create_default_context(
-            cafile=self.options.get("cafile"), capath=self.options.get("capath")
+            cafile=self.options.get("cafile"),
+            capath=self.options.get("capath"),
+            cadata=base64.b64decode(cadata) if cadata else None,  # DER, as aiormq reads it
         )
         if "certfile" in self.options:
             context.load_cert_chain(self.options["certfile"], self.options.get("keyfile"))
@@ -138,14 +143,30 @@ async def connect(
             await connection._handshake()
     except TimeoutError:
         connection.abort()
-        raise BrokerUnavailableError(
-            f"{params.masked_url}: no AMQP handshake within {timeout_s:g} s; is this "
-            "RabbitMQ's AMQP port (5672, or 5671 for amqps)?"
-        ) from None
+        if connection._transport is None:
+            raise BrokerUnavailableError(
+                f"{params.masked_url}: no TCP connection within {timeout_s:g} s (a firewall "
+                "dropping packets, or a host that is down)"
+            ) from None
+        raise BrokerUnavailableError(silent_peer(params.masked_url, timeout_s)) from None
     except BaseException:
         connection.abort()
         raise
     return connection
+
+
+def silent_peer(masked_url: str, timeout_s: float) -> str:
+    """The error text for a peer that took the TCP connection but sent no AMQP
+    ``connection.start`` within ``timeout_s``: most often a RabbitMQ that cannot answer
+    (frozen, overloaded, out of file descriptors: it accepts connections it never
+    serves), less often a port that is not AMQP's (a peer speaking something else
+    usually answers, and that is reported as malformed AMQP data)."""
+    return (
+        f"{masked_url}: took the TCP connection but sent no AMQP handshake within "
+        f"{timeout_s:g} s. A RabbitMQ that is frozen, overloaded or out of file "
+        "descriptors does this (see its log, `rabbitmqctl status`); otherwise check that "
+        "this is its AMQP port (5672, or 5671 for amqps)"
+    )
 
 
 class Connection(asyncio.Protocol):

@@ -557,6 +557,8 @@ class Properties:
         if isinstance(stamp, datetime):
             aware = stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
             converted.timestamp = int(aware.timestamp())
+        elif isinstance(stamp, int):  # seconds, 0 (the epoch) included
+            converted.timestamp = stamp
         return converted
 
     def to_pamqp(self) -> commands.Basic.Properties:

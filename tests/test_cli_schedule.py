@@ -1,0 +1,145 @@
+"""``hopsched schedule``'s edges (issue 24, item 5): compound durations, the properties
+and typed headers it can set, a past ``--at``, a body the broker refuses for its size;
+and ``permissions`` with an empty user or vhost."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from broker import PrivateBroker
+from support import Relays, Targets, hopsched_cli
+
+import hopsched
+from hopsched.clock import now_us
+from hopsched.topology import declare_topology
+
+
+async def test_in_takes_a_compound_duration(settings: hopsched.Settings) -> None:
+    await declare_topology(settings)
+
+    before = now_us()
+    status, out, err = await hopsched_cli(
+        "schedule", "--in", "1m30s", "--routing-key", "q", settings=settings
+    )
+
+    assert status == 0, err
+    due = datetime.fromisoformat(out.split()[3])
+    assert timedelta(seconds=89) < due - datetime.fromtimestamp(before / 1e6, UTC)
+    assert due - datetime.fromtimestamp(before / 1e6, UTC) < timedelta(seconds=95)
+
+
+async def test_schedule_sets_every_property_and_typed_header_it_offers(
+    settings: hopsched.Settings, relay: hopsched.Relay, targets: Targets
+) -> None:
+    target = await targets.queue()
+
+    status, _, err = await hopsched_cli(
+        *("schedule", "--in", "300ms", "--routing-key", target.name, "--body", "hi"),
+        *("--message-id", "m-1", "--correlation-id", "c-1", "--expiration", "30s"),
+        *("--priority", "7", "--transient", "--content-type", "text/plain"),
+        *("--header", "s=text", "--header", "n:int=5", "--header", "f:float=1.5"),
+        *("--header", "d:decimal=19.99", "--header", "b:bool=true"),
+        *("--header", "t:datetime=2030-01-01T09:00:00+01:00"),
+        *("--header", 'j:json={"a": [1, "x"]}', "--header", "a:b:str=c"),
+        settings=settings,
+    )
+
+    assert status == 0, err
+    (received,) = await target.wait_for(1, within=30)
+    properties = received.properties
+    assert (properties.message_id, properties.correlation_id) == ("m-1", "c-1")
+    assert (properties.expiration, properties.priority) == ("30000", 7)
+    assert (properties.delivery_mode, properties.content_type) == (1, "text/plain")
+    headers = received.headers
+    assert headers["s"] == "text"
+    assert headers["n"] == 5
+    assert headers["f"] == 1.5
+    assert headers["d"] == Decimal("19.99")
+    assert headers["b"] is True
+    assert headers["t"] == datetime(2030, 1, 1, 8, tzinfo=UTC)
+    assert headers["j"] == {"a": [1, "x"]}
+    assert headers["a:b"] == "c"
+    target.assert_never_early()
+
+
+@pytest.mark.parametrize(
+    ("header", "says"),
+    [
+        ("n:int=abc", "not a int"),
+        ("x:weird=1", "unknown header type 'weird'"),
+        ("j:json={bad", "not a json"),
+        ("b:bool=maybe", "write true or false"),
+        ("t:datetime=2030-01-01T09:00:00", "add a UTC offset"),
+        ("f:float=nan", "write a finite number"),
+        ("big:int=99999999999999999999", "beyond a signed 64-bit integer"),
+        (":int=5", "key is empty"),
+    ],
+)
+async def test_a_header_its_type_refuses_is_bad_input(
+    settings: hopsched.Settings, header: str, says: str
+) -> None:
+    await declare_topology(settings)
+
+    status, out, err = await hopsched_cli(
+        "schedule", "--in", "1h", "--routing-key", "q", "--header", header, settings=settings
+    )
+
+    assert status == 2, (out, err)
+    assert says in err
+    assert "Traceback" not in err
+
+
+async def test_an_at_more_than_a_minute_past_is_delivered_at_once_with_a_warning(
+    settings: hopsched.Settings, relays: Relays, targets: Targets
+) -> None:
+    await relays.start(settings)
+    target = await targets.queue()
+    long_ago = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
+    just_now = (datetime.now(UTC) - timedelta(seconds=30)).isoformat()
+
+    status, _, err = await hopsched_cli(
+        "schedule", "--at", long_ago, "--routing-key", target.name, settings=settings
+    )
+    assert status == 0, err
+    assert "in the past: it is due now and will be delivered at once" in err
+    assert "0:05:00" in err
+    status, _, err = await hopsched_cli(
+        "schedule", "--at", just_now, "--routing-key", target.name, settings=settings
+    )
+    assert status == 0, err
+    assert "in the past" not in err
+    await target.wait_for(2, within=30)
+
+
+@pytest.mark.parametrize("option", [["--user", ""], ["--user", " "], ["--vhost", ""]])
+async def test_permissions_refuse_an_empty_user_or_vhost(option: list[str]) -> None:
+    status, out, err = await hopsched_cli("permissions", *option)
+
+    assert status == 2, (out, err)
+    assert option[0] in err
+    assert out == ""
+
+
+@pytest.mark.slow
+async def test_a_body_over_the_brokers_max_message_size_is_bad_input(
+    private_broker: PrivateBroker, tmp_path: Path
+) -> None:
+    """Found by a new-user trial: a 200 MB body exited 1 (broker trouble). On a node whose
+    max_message_size is 4 KiB (16 MiB by default on RabbitMQ 4.x), a 10 KB one."""
+    await private_broker.rabbitmqctl("eval", "application:set_env(rabbit, max_message_size, 4096).")
+    settings = hopsched.Settings(url=private_broker.url, prefix="big")
+    await declare_topology(settings)
+    body = tmp_path / "body"
+    body.write_bytes(b"x" * 10_000)
+
+    status, out, err = await hopsched_cli(
+        *("schedule", "--in", "1h", "--routing-key", "q", "--body-file", str(body)),
+        settings=settings,
+    )
+
+    assert status == 2, (out, err)
+    assert "message size 10000 is larger than configured max size 4096" in err
+    assert len(err.strip().splitlines()) == 1
