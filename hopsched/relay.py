@@ -215,7 +215,7 @@ class Relay:
 
     async def _run(self) -> None:
         reporter = asyncio.create_task(self._report_periodically())
-        watcher = asyncio.create_task(PolicyWatch(self.settings, self.stats).run())
+        watcher = asyncio.create_task(self._watch_policies())
         connections: AsyncIterator[amqp.Connection] = aiter(self._connector)
         served = 0
         delay = RECONNECT_FIRST_S  # before trying again a session that never consumed
@@ -249,6 +249,12 @@ class Relay:
             if served:
                 self._report()
                 log.info("relay stopped")
+
+    async def _watch_policies(self) -> None:
+        """The policies in force (``hopsched.policy_watch``), once the relay consumes (a
+        refused login is said once, by ``run()``)."""
+        await self._consuming.wait()
+        await PolicyWatch(self.settings, self.stats).run()
 
     async def _unless_stopping(self, work: Awaitable[Any]) -> Any:
         """``await work``, unless ``stop()`` comes first: then cancel it and return None."""
