@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,11 +18,9 @@ import aio_pika
 import pytest
 from broker import private_broker as private_broker
 from broker import start_private_broker as start_private_broker
-from support import Cleanup, Relays, Targets
+from support import BROKER_URL, Cleanup, Relays, Targets
 
 import hopsched
-
-BROKER_URL = os.environ.get("HOPSCHED_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 
 
 def _probe(url: str) -> str | None:

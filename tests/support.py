@@ -34,6 +34,8 @@ HEADER_HOPS = "x-hopsched-hops"
 HEADER_EXCHANGE = "x-hopsched-exchange"
 HEADER_ROUTING_KEY = "x-hopsched-routing-key"
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
+#: The broker the integration tests run against (``HOPSCHED_TEST_URL``).
+BROKER_URL = os.environ.get("HOPSCHED_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 RELAY_START_TIMEOUT_S = 30.0
 RELAY_STOP_TIMEOUT_S = 30.0
 #: What a target consumer may see added to the caller's headers.
@@ -435,10 +437,11 @@ async def hopsched_cli(
 ) -> tuple[int, str, str]:
     """Run ``python -m hopsched ARGS``; return (exit status, stdout, stderr).
 
-    ``settings`` set ``HOPSCHED_URL``, ``_PREFIX`` and ``_QUEUE_TYPE``; ``env`` adds
-    variables on top of the test's environment.
+    ``HOPSCHED_URL`` is the test broker's (a command without ``--url`` goes there, never
+    to a broker the test does not test); ``settings`` set ``HOPSCHED_URL``, ``_PREFIX``
+    and ``_QUEUE_TYPE``; ``env`` adds variables on top of the test's environment.
     """
-    env = dict(os.environ) | dict(env or {})
+    env = dict(os.environ) | {"HOPSCHED_URL": BROKER_URL} | dict(env or {})
     if settings is not None:
         env |= {
             "HOPSCHED_URL": settings.url,

@@ -34,7 +34,7 @@ from amqp_support import (
     encoded,
     open_connection,
 )
-from broker import DEBIAN_BIN_DIR, PrivateBroker, rabbitmq_bin_dir
+from broker import PrivateBroker, require_rabbitmq
 
 import hopsched
 import hopsched.connect
@@ -198,11 +198,10 @@ async def test_tls_with_plain_login(start_private_broker: StartBroker, tmp_path:
 
 def require_ssl_plugin() -> None:
     """The EXTERNAL mechanism's plugin ships with RabbitMQ; fail (CI) or skip without it."""
-    bin_dir = rabbitmq_bin_dir()
-    lib = (bin_dir.parent if bin_dir else Path(DEBIAN_BIN_DIR).parent) / "lib"
-    if any(lib.glob(f"rabbitmq_server-*/plugins/{SSL_PLUGIN}-*")):
+    plugins = require_rabbitmq().lib_dir / "plugins"
+    if any(plugins.glob(f"{SSL_PLUGIN}-*")):
         return
-    reason = f"the {SSL_PLUGIN} plugin is not installed under {lib}"
+    reason = f"the {SSL_PLUGIN} plugin is not installed under {plugins}"
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; CI must run this test", pytrace=False)
     pytest.skip(reason)

@@ -12,7 +12,7 @@ import sys
 import uuid
 from datetime import datetime
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aio_pika
 import aiormq
@@ -124,14 +124,12 @@ async def test_schedule_declare_and_status_on_the_real_broker(
     assert topology.step_queue(2**32) in out
 
 
-async def test_status_of_a_prefix_with_no_queues_exits_1_naming_them() -> None:
+async def test_status_of_a_prefix_with_no_queues_exits_1_naming_them(broker_url: str) -> None:
     """Found by a new-user trial: status listed every queue as missing and exited 0,
     though the exit table gives 1 for a missing queue (a mistyped --prefix, say)."""
     prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
 
-    status, out, err = await hopsched_cli(
-        "status", "--url", "amqp://guest:guest@127.0.0.1:5672/", "--prefix", prefix
-    )
+    status, out, err = await hopsched_cli("status", "--url", broker_url, "--prefix", prefix)
 
     assert status == 1, (out, err)
     assert f"{prefix}.relay" in out
@@ -145,15 +143,13 @@ async def test_status_of_a_prefix_with_no_queues_exits_1_naming_them() -> None:
     "command", [["cancel", "order-42"], ["reschedule", "order-42", "--in", "1h"]]
 )
 async def test_cancel_or_reschedule_for_a_prefix_with_nothing_scheduled_is_refused(
-    command: list[str], amqp: aio_pika.abc.AbstractConnection
+    command: list[str], broker_url: str, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
     """Found by a new-user trial: with a mistyped --prefix, cancel printed "cancelled"
     and declared a whole new prefix, and the real message was still delivered."""
     prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
 
-    status, out, err = await hopsched_cli(
-        *command, "--url", "amqp://guest:guest@127.0.0.1:5672/", "--prefix", prefix
-    )
+    status, out, err = await hopsched_cli(*command, "--url", broker_url, "--prefix", prefix)
 
     assert status == 1, (out, err)
     assert f"prefix {prefix!r} has no relay queue" in err
@@ -163,7 +159,9 @@ async def test_cancel_or_reschedule_for_a_prefix_with_nothing_scheduled_is_refus
         await channel.declare_queue(f"{prefix}.relay", passive=True)
 
 
-async def test_the_permissions_example_in_the_docs_is_what_the_command_prints() -> None:
+async def test_the_permissions_example_in_the_docs_is_what_the_command_prints(
+    broker_url: str,
+) -> None:
     """docs/operations.md shows a `hopsched permissions` run; it must not drift from the
     command (a new-user trial found it without the cancel stream)."""
     docs = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
@@ -171,9 +169,7 @@ async def test_the_permissions_example_in_the_docs_is_what_the_command_prints() 
     assert example is not None
     command, printed = example.groups()
 
-    status, out, err = await hopsched_cli(
-        *shlex.split(command)[1:], "--url", "amqp://guest:guest@127.0.0.1:5672/"
-    )
+    status, out, err = await hopsched_cli(*shlex.split(command)[1:], "--url", broker_url)
 
     assert status == 0, err
     assert printed in out.splitlines()
@@ -263,7 +259,8 @@ async def test_permissions_take_the_urls_vhost_and_the_grant_works_there(
     tag = uuid.uuid4().hex[:8]
     vhost, user, password = f"team/a b#1%é {tag}", f"hopsched-{tag}", f"pw{tag}"
     prefix = f"t{tag}"
-    url = f"amqp://{user}:{password}@127.0.0.1:5672/{quote(vhost, safe='')}"
+    address = urlsplit(broker_url).netloc.rpartition("@")[2]  # host:port of the test broker
+    url = f"amqp://{user}:{password}@{address}/{quote(vhost, safe='')}"
 
     status, out, err = await hopsched_cli(
         "permissions", "--url", url, "--user", user, "--prefix", prefix
