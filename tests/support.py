@@ -245,6 +245,18 @@ def rabbitmqctl_command() -> list[str] | None:
     return [path] if path is not None else None
 
 
+def require_rabbitmqctl() -> list[str]:
+    """The test broker's ``rabbitmqctl`` command; skips the test without one (fails it
+    under ``CI=true``)."""
+    command = rabbitmqctl_command()
+    if command is not None:
+        return command
+    reason = f"no rabbitmqctl for the test broker (set {RABBITMQCTL_VARIABLE})"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI must run this test", pytrace=False)
+    pytest.skip(reason)
+
+
 def rabbitmqctl_path() -> str | None:
     """The test broker's ``rabbitmqctl`` command as one string, or None if there is none."""
     command = rabbitmqctl_command()
