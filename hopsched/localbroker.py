@@ -112,12 +112,11 @@ class Installation:
     bin_dir: Path
     chroot: Path | None = None
 
-    def command(self, script: str, *args: str) -> list[str]:
-        """The command line that runs ``script`` (e.g. ``"rabbitmqctl"``) with ``args``."""
-        program = str(self.bin_dir / script)
-        if self.chroot is None:
-            return [program, *args]
-        return ["chroot", str(self.chroot), program, *args]
+    def command(self, script: str, *args: str, env: Sequence[str] = ()) -> list[str]:
+        """The command line that runs ``script`` (e.g. ``"rabbitmqctl"``) with ``args``,
+        and with ``env`` (``NAME=value`` items) set by ``env`` first if given."""
+        command = [*(["env", *env] if env else []), str(self.bin_dir / script), *args]
+        return command if self.chroot is None else ["chroot", str(self.chroot), *command]
 
     def host_path(self, path: Path) -> Path:
         """``path`` as the scripts see it, as this process sees it."""
@@ -427,6 +426,14 @@ class PrivateBroker:
             if fields[:1] == [KHEPRI_FLAG]:
                 return "khepri" if fields[1:2] == ["enabled"] else "mnesia"
         return "mnesia"  # RabbitMQ < 4.0 knows no Khepri
+
+    @property
+    def rabbitmqctl_command(self) -> list[str]:
+        """A command prefix that runs ``rabbitmqctl`` against this node from anywhere
+        (``shlex.join`` it for ``HOPSCHED_TEST_RABBITMQCTL``): with the node's ``HOME``,
+        which holds its Erlang cookie, in the chroot if any, and ``-n NODE``."""
+        home = f"HOME={self.env['HOME']}"
+        return self.installation.command("rabbitmqctl", "-n", self.node, env=[home])
 
     async def rabbitmqctl(self, *args: str, within: float = 60) -> str:
         """Run ``rabbitmqctl -n NODE args…`` against this node; return its stdout.

@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -206,6 +207,8 @@ _SHORT_STRINGS = (
 #: Room a content header needs beside the caller's headers: the envelope's entries and
 #: every other property at its longest, bytes.
 _PROPERTIES_ALLOWANCE = 6 * 1024
+#: The broker's reply to a body over its ``max_message_size`` (RabbitMQ 3.10 to 4.x).
+_TOO_LARGE = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
 
 #: ``schedule_many`` encodes and publishes this many, then lets the event loop send
 #: them and read confirms while it goes on (the broker works meanwhile).
@@ -518,6 +521,13 @@ class Scheduler:
             raise InvalidScheduleError(refusal)
         schedule_id = _check_schedule_id(request.schedule_id)
         body, callers = _body_and_properties(request.message)
+        if len(body) > self.settings.max_message_size:
+            raise InvalidScheduleError(
+                f"the body is {len(body)} bytes, over max_message_size "
+                f"({self.settings.max_message_size} bytes; RabbitMQ 4.x refuses a larger "
+                "one by closing the channel): schedule a reference to the data instead, or "
+                "raise Settings.max_message_size to the broker's own limit"
+            )
         if callers.user_id is not None and callers.user_id != self.settings.login:
             raise InvalidScheduleError(
                 f"user_id={callers.user_id!r}: RabbitMQ accepts only the login user "
@@ -724,6 +734,14 @@ class Scheduler:
                 "x-overflow=reject-publish, or an unavailable one)"
             )
         if isinstance(detail, ChannelClosedError):
+            if too_large := _TOO_LARGE.search(str(detail)):
+                return InvalidScheduleError(
+                    f"the broker refused the message: its body ({too_large[1]} bytes) is "
+                    f"larger than the broker's max_message_size ({too_large[2]} bytes); "
+                    "nothing was scheduled. Schedule a reference to the data instead; "
+                    f"Settings.max_message_size={too_large[2]} refuses such a body before "
+                    f"sending ({detail})"
+                )
             return TargetRefused(f"the broker refused the message: {detail}")
         if isinstance(detail, BrokerUnavailableError):
             self._publisher = None

@@ -218,6 +218,15 @@ async def wait_until_count(
     return current
 
 
+def broker_version(connection: aio_pika.abc.AbstractConnection) -> tuple[int, ...]:
+    """The RabbitMQ version a connection's broker gave in ``connection.start``, e.g.
+    ``(4, 0, 5)``."""
+    underlay = connection.transport.connection  # type: ignore[attr-defined]
+    version = underlay.server_properties["version"]
+    text = version.decode() if isinstance(version, bytes) else str(version)
+    return tuple(int(part) for part in text.split("-")[0].split("."))
+
+
 async def get_all(
     connection: aio_pika.abc.AbstractConnection, queue: str
 ) -> list[AbstractIncomingMessage]:
