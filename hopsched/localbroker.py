@@ -60,6 +60,8 @@ __all__ = [
     "PrivateBroker",
     "PrivateCluster",
     "free_port",
+    "installation_in",
+    "machine_installation",
     "private_cluster",
     "private_node",
     "rabbitmq_installation",
@@ -155,19 +157,29 @@ class Installation:
 
 
 def rabbitmq_installation() -> Installation | None:
-    """The RabbitMQ installation private nodes run from, or None if there is none.
-
-    With ``$HOPSCHED_RABBITMQ_ROOT`` set (and not empty): the scripts in that directory,
-    in ``$HOPSCHED_RABBITMQ_BIN`` (as seen inside it) or else ``/usr/lib/rabbitmq/bin``.
-    Otherwise this machine's: ``$HOPSCHED_RABBITMQ_BIN`` if set (and nothing else), else
-    Debian's ``/usr/lib/rabbitmq/bin``, else the directory of ``rabbitmq-server`` on
-    ``PATH``.
-    """
-    chosen = os.environ.get(BIN_DIR_VARIABLE)
+    """The RabbitMQ installation private nodes run from, or None if there is none:
+    ``installation_in($HOPSCHED_RABBITMQ_ROOT)`` if that is set (and not empty), else
+    ``machine_installation()``."""
     if chroot := os.environ.get(ROOT_VARIABLE):
-        inside = Installation(Path(chosen or DEBIAN_BIN_DIR), Path(chroot).resolve())
-        found = inside.host_path(inside.bin_dir) / "rabbitmq-server"
-        return inside if found.is_file() else None
+        return installation_in(Path(chroot))
+    return machine_installation()
+
+
+def installation_in(chroot: Path) -> Installation | None:
+    """The installation in directory ``chroot`` (run there with ``chroot``), or None:
+    its scripts in ``$HOPSCHED_RABBITMQ_BIN`` (as seen inside it) or else
+    ``/usr/lib/rabbitmq/bin``."""
+    bin_dir = Path(os.environ.get(BIN_DIR_VARIABLE) or DEBIAN_BIN_DIR)
+    inside = Installation(bin_dir, chroot.resolve())
+    found = inside.host_path(inside.bin_dir) / "rabbitmq-server"
+    return inside if found.is_file() else None
+
+
+def machine_installation() -> Installation | None:
+    """This machine's own installation, or None: ``$HOPSCHED_RABBITMQ_BIN`` if set (and
+    nothing else), else Debian's ``/usr/lib/rabbitmq/bin``, else the directory of
+    ``rabbitmq-server`` on ``PATH``."""
+    chosen = os.environ.get(BIN_DIR_VARIABLE)
     if chosen is not None:
         candidates = [chosen]
     else:

@@ -10,6 +10,8 @@ keeps its metadata in Khepri (the ``khepri_db`` feature flag, RabbitMQ >= 4.0).
 Fixtures (registered by ``conftest.py``):
 
 * ``private_broker``: a node with the default configuration.
+* ``node_tmp_path``: a temporary directory the nodes can read too (in the chroot, when
+  the installation has one); ``seen_by_nodes(path)`` is its files' path as they see it.
 * ``start_private_broker``: ``await start_private_broker(config="consumer_timeout = 60000")``
   starts a node with extra ``rabbitmq.conf`` lines (and ``plugins=[...]`` enabled); every
   node started is killed and its directory removed when the test ends, passed or failed.
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -37,8 +41,10 @@ from hopsched.localbroker import (
 __all__ = [
     "PrivateBroker",
     "khepri",
+    "node_tmp_path",
     "private_broker",
     "require_rabbitmq",
+    "seen_by_nodes",
     "start_private_broker",
 ]
 
@@ -92,3 +98,17 @@ async def private_broker(
 ) -> PrivateBroker:
     """A private node with the default configuration, started."""
     return await start_private_broker()
+
+
+@pytest.fixture
+def node_tmp_path() -> Iterator[Path]:
+    """A new directory (this process's path) whose files private nodes can read: for
+    their configuration's files (certificates, say); removed after the test."""
+    path = require_rabbitmq().make_directory()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def seen_by_nodes(path: str | Path) -> str:
+    """``path`` (in ``node_tmp_path``) as the private nodes see it."""
+    return str(require_rabbitmq().inside(Path(path)))

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
+from broker import node_tmp_path as node_tmp_path
 from broker import private_broker as private_broker
 from broker import start_private_broker as start_private_broker
 from leftovers import LeftoverCheck

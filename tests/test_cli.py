@@ -214,7 +214,9 @@ async def test_relay_exits_0_on_sigterm(settings: hopsched.Settings, log_format:
         assert "guest:guest" not in json.dumps(records)
 
 
-async def test_demo_runs_end_to_end(settings: hopsched.Settings) -> None:
+async def test_demo_runs_end_to_end_and_removes_the_ladder_it_declared(
+    settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
+) -> None:
     status, out, err = await hopsched_cli(
         "demo", "--count", "30", "--max-delay", "1s", "--prefix", settings.prefix, within=120
     )
@@ -231,6 +233,9 @@ async def test_demo_runs_end_to_end(settings: hopsched.Settings) -> None:
         "0",
         "0",
     )
+    assert f"removed the demo's ladder {settings.prefix} (33 objects)" in err
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+        await (await amqp.channel()).declare_queue(f"{settings.prefix}.relay", passive=True)
 
 
 @pytest.mark.parametrize("delay", ["0", "-5s"])
