@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
@@ -291,6 +292,20 @@ async def rabbitmqctl(*args: str, within: float = 60) -> str:
     if process.returncode != 0:
         pytest.fail(f"rabbitmqctl {' '.join(args)} exited {process.returncode}: {err.decode()}")
     return out.decode()
+
+
+async def management_url() -> str | None:
+    """The test broker's management API base URL with the test URL's login (e.g.
+    ``http://guest:guest@127.0.0.1:15672/``), from the HTTP listener ``rabbitmqctl
+    status`` lists; None without the management plugin. Only ``HOPSCHED_TEST_URL`` and
+    ``HOPSCHED_TEST_RABBITMQCTL`` are needed to find it."""
+    status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
+    ports = [listener["port"] for listener in status["listeners"] if listener["protocol"] == "http"]
+    if not ports:
+        return None
+    parts = urlsplit(BROKER_URL)
+    login = parts.netloc.rpartition("@")[0]
+    return f"http://{login}@{parts.hostname}:{ports[0]}/"
 
 
 async def queue_arguments(vhost: str = "/") -> dict[str, dict[str, tuple[str, Any]]]:
