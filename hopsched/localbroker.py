@@ -72,12 +72,14 @@ __all__ = [
 #: that follows its first stream restarts without its stream coordinator: every stream
 #: stays "down" and can be neither declared nor deleted. This saves it now.
 SAVE_RA_DIRECTORY = "dets:sync(ra_coordination_directory_reverse)."
-#: ... and this registers the coordinator's data directory again and restarts it (one
-#: directory per node in ``coordination/``): the streams come back with their messages.
+#: ... and this registers the coordinator's data directory again and restarts it: the
+#: one directory in ``coordination/`` no Ra server of the node claims (on 4.x, Khepri's
+#: is there too): the streams come back with their messages.
 RESTORE_STREAM_COORDINATOR = (
     "#{data_dir := D, names := #{directory_rev := R}} = ra_system:fetch(coordination), "
+    "Known = [K || {_, K} <- dets:match_object(R, '_')], "
     "[U] = [list_to_binary(F) || F <- element(2, file:list_dir(D)), "
-    "filelib:is_dir(filename:join(D, F))], "
+    "filelib:is_dir(filename:join(D, F))] -- Known, "
     "ok = dets:insert(R, {rabbit_stream_coordinator, U}), ok = dets:sync(R), "
     "rabbit_stream_coordinator:recover()."
 )

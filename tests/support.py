@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import aio_pika
@@ -255,16 +255,20 @@ def rabbitmqctl_command() -> list[str] | None:
     return [path] if path is not None else None
 
 
-def require_rabbitmqctl() -> list[str]:
-    """The test broker's ``rabbitmqctl`` command; skips the test without one (fails it
-    under ``CI=true``)."""
-    command = rabbitmqctl_command()
-    if command is not None:
-        return command
-    reason = f"no rabbitmqctl for the test broker (set {RABBITMQCTL_VARIABLE})"
+def missing(reason: str) -> NoReturn:
+    """Skip the test for want of ``reason``'s tool; under ``CI=true`` fail it: CI must
+    run every test."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; CI must run this test", pytrace=False)
     pytest.skip(reason)
+
+
+def require_rabbitmqctl() -> list[str]:
+    """The test broker's ``rabbitmqctl`` command; ``missing()`` without one."""
+    command = rabbitmqctl_command()
+    if command is not None:
+        return command
+    missing(f"no rabbitmqctl for the test broker (set {RABBITMQCTL_VARIABLE})")
 
 
 def rabbitmqctl_path() -> str | None:
