@@ -440,8 +440,9 @@ def demo_rows(out: str) -> dict[str, str]:
 
 
 def node_is_gone(root: str) -> bool:
-    """Whether the private node of directory ``root`` has no process and no directory."""
-    marker = f"-home\0{root}/home\0".encode()
+    """Whether the private node of directory ``root`` has no process and no directory
+    (its processes see the directory by another path when they run in a chroot)."""
+    marker = f"/{Path(root).name}/home\0".encode()
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
