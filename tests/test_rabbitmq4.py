@@ -155,3 +155,15 @@ async def test_the_relay_asks_for_its_own_consumer_timeout(
     [consumer] = [row for row in json.loads(out) if row["queue_name"] == relay_queue]
     arguments = {name: value for name, _, value in consumer["arguments"]}
     assert arguments == RELAY_CONSUMER_ARGUMENTS
+
+
+@pytest.mark.parametrize("value", [0, -1, 512 * 2**20 + 1, True, 1.5, "16MiB"])
+def test_a_max_message_size_the_broker_cannot_have_is_refused(value: object) -> None:
+    with pytest.raises(hopsched.InvalidSettingsError, match="max_message_size"):
+        hopsched.Settings(max_message_size=value)  # type: ignore[arg-type]
+
+
+def test_max_message_size_comes_from_the_environment_for_the_cli() -> None:
+    settings = hopsched.Settings.from_env({"HOPSCHED_MAX_MESSAGE_SIZE": "134217728"})
+    assert settings.max_message_size == 134_217_728  # RabbitMQ 3.x's default
+    assert hopsched.Settings().max_message_size == 16 * 2**20
