@@ -11,6 +11,7 @@ See benchmarks/README.md for the method, the scenarios and the caveats.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -154,8 +156,8 @@ async def run_strategies(
 
 
 async def _main(options: dict[str, Any]) -> dict[str, Any]:
-    if options["cluster"]:
-        return await _main_cluster(options)
+    if options["cluster"] or options["installations"]:
+        return await _main_private(options)
     url = options["url"]
     run_id = uuid.uuid4().hex[:6]
     result: dict[str, Any] = {
@@ -224,9 +226,23 @@ async def _main(options: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-async def _main_cluster(options: dict[str, Any]) -> dict[str, Any]:
-    """The workload with hopsched-quorum on one private node, then on a private
-    three-node cluster (URLs of all three), one after the other on this machine."""
+async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
+    """The workload on private nodes, one setup after the other on this machine:
+    ``--cluster``: hopsched-quorum on one node, then on a three-node cluster (URLs of all
+    three); ``--rabbitmq``: the chosen strategies on one node of each installation."""
+    # here, not at the top: a hopsched measured through --hopsched-path may predate it
+    from hopsched.localbroker import private_cluster, private_node
+
+    setups: list[tuple[str, Callable[[], Any]]]
+    if options["cluster"]:
+        names = ["hopsched-quorum"]
+        setups = [("1 node", private_node), ("3-node cluster", lambda: private_cluster(3))]
+    else:
+        names = options["strategies"]
+        setups = [
+            (f"RabbitMQ {found.version}", functools.partial(private_node, installation=found))
+            for found in options["installations"]
+        ]
     workload = Workload(
         count=options["count"],
         rate=options["rate"],
@@ -239,30 +255,20 @@ async def _main_cluster(options: dict[str, Any]) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     memory: dict[str, int] = {}
-    # here, not at the top: a hopsched measured through --hopsched-path may predate it
-    from hopsched.localbroker import private_cluster, private_node
-
+    brokers: dict[str, dict[str, Any]] = {}
     load_start = _load()
-    async with private_node() as node:
-        broker = await _broker(node.url)
-        single, single_runs = await run_strategies(
-            node.url, ["hopsched-quorum"], workload, run_id, options["prefetch"]
-        )
-        memory["1 node"] = node.rss_bytes()
-    async with private_cluster(3) as cluster:
-        clustered, cluster_runs = await run_strategies(
-            cluster.url, ["hopsched-quorum"], workload, run_id + "c", options["prefetch"]
-        )
-        memory["3-node cluster"] = cluster.rss_bytes()
-    for label, got, got_runs in (
-        ("1 node", single, single_runs),
-        ("3-node cluster", clustered, cluster_runs),
-    ):
-        for name, row in got.items():
-            rows[f"{name} ({label})"] = row
-        for name, run in got_runs.items():
-            runs[f"{name} ({label})"] = run
-    return {
+    for number, (label, start) in enumerate(setups):
+        async with start() as broker:
+            brokers[label] = await _broker(broker.url)
+            got, got_runs = await run_strategies(
+                broker.url, names, workload, f"{run_id}{number}", options["prefetch"]
+            )
+            memory[label] = broker.rss_bytes()
+        rows |= {f"{name} ({label})": row for name, row in got.items()}
+        runs |= {f"{name} ({label})": run for name, run in got_runs.items()}
+    first = next(iter(brokers.values()))
+    versions = sorted({broker["version"] for broker in brokers.values()})
+    result: dict[str, Any] = {
         "scenario": options["scenario"],
         "command": " ".join(["python", "benchmarks/accuracy.py", *sys.argv[1:]]),
         "run_id": run_id,
@@ -273,16 +279,12 @@ async def _main_cluster(options: dict[str, Any]) -> dict[str, Any]:
             "load_avg_1m_end": _load(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "note": "private RabbitMQ nodes (one, then a cluster of three), relay and load "
-            "generator share this machine with other work",
+            "note": f"private RabbitMQ nodes ({', '.join(brokers)}, one after the other), "
+            "relay and load generator share this machine with other work",
         },
-        "broker": broker,
-        "cluster": {
-            "nodes": 3,
-            "rss_bytes_after_run": memory,
-            "note": "the relay and scheduler get all three node URLs; quorum queues "
-            "replicate to all three, leaders placed 'balanced'",
-        },
+        "broker": {**first, "version": " and ".join(versions), "url": None},
+        "brokers": brokers,
+        "rss_bytes_after_run": memory,
         "hopsched": _hopsched_version(),
         "prefetch": options["prefetch"],
         "workload": workload.describe(),
@@ -291,6 +293,33 @@ async def _main_cluster(options: dict[str, Any]) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "_runs": runs,
     }
+    if options["cluster"]:
+        result["cluster"] = {
+            "nodes": 3,
+            "note": "the relay and scheduler get all three node URLs; quorum queues "
+            "replicate to all three, leaders placed 'balanced'",
+        }
+    return result
+
+
+def _installations(given: str | None, options: dict[str, Any]) -> list[Any]:
+    """``--rabbitmq``'s installations (``hopsched.localbroker.Installation``)."""
+    if not given:
+        return []
+    from hopsched.localbroker import installation_in, machine_installation
+
+    if options["cluster"] or options["scenario"] in ("throughput", "burst", "backlog"):
+        raise click.BadParameter(
+            "runs the paced scenarios (quick, standard, mixed, custom), without --cluster",
+            param_hint="--rabbitmq",
+        )
+    found = []
+    for part in (part.strip() for part in given.split(",") if part.strip()):
+        installation = machine_installation() if part == "machine" else installation_in(Path(part))
+        if installation is None:
+            raise click.BadParameter(f"no RabbitMQ installation in {part}", param_hint="--rabbitmq")
+        found.append(installation)
+    return found
 
 
 def _run_cancellable(coroutine: Any) -> Any:
@@ -366,6 +395,14 @@ def _run_cancellable(coroutine: Any) -> Any:
     help="Run hopsched-quorum on a private single node, then on a private 3-node cluster "
     "(hopsched.localbroker), to show what replication costs; --url is not used.",
 )
+@click.option(
+    "--rabbitmq",
+    "installations",
+    help="Run on a private node of each RabbitMQ installation given, one after the other "
+    "in one run, each row labelled with the node's version: comma-separated 'machine' "
+    "(this machine's own) or a chroot directory holding another (e.g. RabbitMQ 4.0.5 from "
+    ".ci/rabbitmq4, /opt/hopsched-rabbitmq4); --url is not used.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
@@ -411,6 +448,7 @@ def main(**options: Any) -> None:
             param_hint="--strategies",
         )
     options["strategies"] = names
+    options["installations"] = _installations(options["installations"], options)
     try:
         result = _run_cancellable(_main(options))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -3,10 +3,11 @@ trip in one process, against the broker at HOPSCHED_URL (default: guest on local
 
     python examples/order_timeout.py
 
-It declares its own target queue, ``example.order-timeouts``, and deletes it at the end;
-the ladder of prefix ``hopsched-example`` stays (``hopsched teardown --prefix
-hopsched-example`` removes it). In production the relay runs as its own process
-(``hopsched relay``) and the consumer is your service.
+It declares its own target queue, ``example.order-timeouts``, and the ladder of prefix
+``hopsched-example``, and removes both at the end, as ``hopsched teardown --prefix
+hopsched-example`` would (a ladder is 31 quorum queues: leave none you do not use). In
+production the relay runs as its own process (``hopsched relay``), the ladder stays, and
+the consumer is your service.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 
 import aio_pika
 
-from hopsched import DeliveryInfo, Relay, Scheduler, Settings
+from hopsched import DeliveryInfo, Relay, Scheduler, Settings, Topology
 from hopsched.connect import connect
 
 QUEUE = "example.order-timeouts"
@@ -55,8 +56,9 @@ async def main() -> None:
         await queue.cancel(consumer_tag)
         await queue.delete(if_unused=False, if_empty=False)
 
-    await relay.stop()
-    await relaying
+        await relay.stop()
+        await relaying
+        await Topology.from_settings(settings).teardown(connection)  # refuses if in use
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ from hopsched.clock import now_us
 from hopsched.connect import connect
 from hopsched.envelope import DeliveryInfo
 from hopsched.errors import BrokerUnavailableError, HopschedError
-from hopsched.localbroker import private_node, rabbitmq_bin_dir
+from hopsched.localbroker import private_node, rabbitmq_installation
 from hopsched.relay import Relay
 from hopsched.scheduler import Scheduler
 from hopsched.settings import Settings
 from hopsched.stats import LatenessStats
+from hopsched.topology import Topology
 
 __all__ = [
     "GET_A_BROKER",
@@ -111,8 +112,10 @@ async def run_demo(
     Messages are scheduled at ``rate`` per second with delays log-uniform in
     [``min_delay_s``, ``max_delay_s``]; lateness is measured at the demo's consumer.
 
-    Progress goes to ``out``. The ladder of ``settings.prefix`` stays declared for the
-    next run; the demo's target queue is exclusive and goes with the connection.
+    Progress goes to ``out``. A ladder the demo declared (``settings.prefix`` had no
+    relay queue before) is torn down at the end, also on an error or a cancellation,
+    unless messages are still on it (said on ``out``); the demo's target queue is
+    exclusive and goes with the connection.
 
     Raises:
         BrokerUnavailableError, TopologyMismatchError: as Scheduler and Relay do.
@@ -136,15 +139,16 @@ async def run_demo(
         if report.delivered == count:
             everything.set()
 
+    topology = Topology.from_settings(settings)
+    connection = await connect(settings, name="hopsched-demo")
+    ours = not await _queue_exists(connection, topology.relay_queue)
     relay = Relay(settings)
     relay_task = asyncio.create_task(relay.run())
     consuming = asyncio.create_task(relay.wait_consuming())
-    connection: aio_pika.abc.AbstractConnection | None = None
     try:
         await asyncio.wait({relay_task, consuming}, return_when=asyncio.FIRST_COMPLETED)
         if relay_task.done():
             relay_task.result()  # raises the relay's error
-        connection = await connect(settings, name="hopsched-demo")
         channel = await connection.channel()
         try:
             queue = await channel.declare_queue(target, exclusive=True)
@@ -182,9 +186,35 @@ async def run_demo(
         await relay.stop()
         with contextlib.suppress(Exception):
             await relay_task  # its error, if any, was raised above
-        if connection is not None:
+        try:
+            if ours:  # leave nothing behind: 31 quorum queues hold broker resources
+                await _remove_ladder(connection, topology, out)
+        finally:
             await connection.close()
     return report
+
+
+async def _queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
+    channel = await connection.channel()
+    try:
+        await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    if not channel.is_closed:
+        await channel.close()
+    return True
+
+
+async def _remove_ladder(
+    connection: aio_pika.abc.AbstractConnection, topology: Topology, out: TextIO
+) -> None:
+    try:
+        done = await topology.teardown(connection)
+    except HopschedError as refused:  # messages still on it: never delete those
+        out.write(f"the demo's ladder {topology.prefix} stays declared: {refused}\n")
+    else:
+        out.write(f"removed the demo's ladder {topology.prefix} ({len(done.removed)} objects)\n")
+    out.flush()
 
 
 async def _wait_with_progress(
@@ -241,7 +271,7 @@ async def run_demo_or_local(
     out: TextIO = sys.stderr,
 ) -> DemoReport:
     """``run_demo`` with these arguments; but if nothing answers at the URL on this
-    machine (``nothing_answers``) and RabbitMQ is installed (``rabbitmq_bin_dir``), on a
+    machine (``nothing_answers``) and RabbitMQ is installed (``rabbitmq_installation``), on a
     throwaway private node instead (``private_node``): said on ``out``, and the node
     and its directory removed at the end, also on an error or a cancellation (Ctrl-C).
 
@@ -258,19 +288,19 @@ async def run_demo_or_local(
 
     if not all([await nothing_answers(url) for url in settings.urls]):
         return await demo_on(settings)
-    bin_dir = rabbitmq_bin_dir()
-    if bin_dir is None:
+    installation = rabbitmq_installation()
+    if installation is None:
         raise BrokerUnavailableError(
             f"nothing answers at {settings.masked_url} and RabbitMQ is not installed "
             f"here: {GET_A_BROKER}"
         )
     out.write(
         f"nothing answers at {settings.masked_url}: starting a throwaway RabbitMQ node "
-        f"({bin_dir / 'rabbitmq-server'}) for this demo\n"
+        f"({installation}) for this demo\n"
     )
     out.flush()
     try:
-        async with private_node(bin_dir=bin_dir) as node:
+        async with private_node(installation=installation) as node:
             out.write(f"throwaway node {node.node} on 127.0.0.1:{node.port}, in {node.root}\n")
             out.flush()
             return await demo_on(dataclasses.replace(settings, url=node.url))

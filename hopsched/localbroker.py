@@ -23,8 +23,15 @@ into one cluster (``rabbitmqctl stop_app``, ``join_cluster``, ``start_app``)::
         settings = Settings(url=cluster.urls)  # every node's URL
         await cluster.nodes[0].kill()  # the others go on (a quorum of 2 of 3)
 
-``rabbitmq_bin_dir()`` finds the scripts: ``HOPSCHED_RABBITMQ_BIN`` if set, else
-``/usr/lib/rabbitmq/bin`` (Debian's package), else ``rabbitmq-server`` on ``PATH``.
+``rabbitmq_installation()`` finds the scripts: ``HOPSCHED_RABBITMQ_BIN`` if set, else
+``/usr/lib/rabbitmq/bin`` (Debian's package), else ``rabbitmq-server`` on ``PATH``. With
+``HOPSCHED_RABBITMQ_ROOT`` set, the nodes run inside that directory with ``chroot`` (as
+root): another RabbitMQ beside the machine's own, e.g. RabbitMQ 4.0.5 from Debian 13
+installed by debootstrap (the project's ``.ci/rabbitmq4``). A node's directory is then
+under the chroot's ``/tmp``, where its processes see it; kills, freezes, restarts and
+clusters work as they do outside (same pids, ports and epmd)::
+
+    HOPSCHED_RABBITMQ_ROOT=/opt/hopsched-rabbitmq4 pytest -m slow   # the slow tier on 4.0.5
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import aio_pika
@@ -47,26 +55,32 @@ from hopsched.errors import HopschedError
 
 __all__ = [
     "DEBIAN_BIN_DIR",
+    "Installation",
     "LocalBrokerError",
     "PrivateBroker",
     "PrivateCluster",
     "free_port",
+    "installation_in",
+    "machine_installation",
     "private_cluster",
     "private_node",
-    "rabbitmq_bin_dir",
+    "rabbitmq_installation",
 ]
 
-#: RabbitMQ 3.10 (Ra 2.2) keeps a node's Ra directory (which Ra server has which data
-#: directory) in ``names.dets``, saved every 3 minutes. A node killed before the save
-#: that follows its first stream restarts without its stream coordinator: every stream
-#: stays "down" and can be neither declared nor deleted. This saves it now.
+#: RabbitMQ keeps a node's Ra directory (which Ra server has which data directory) in
+#: ``names.dets``, saved every 3 minutes on 3.10 (Ra 2.2), within a second on 4.0.5
+#: (Ra 2.14). A node killed before the save that follows its first stream restarts
+#: without its stream coordinator: every stream stays "down" and can be neither
+#: declared nor deleted. This saves it now.
 SAVE_RA_DIRECTORY = "dets:sync(ra_coordination_directory_reverse)."
-#: ... and this registers the coordinator's data directory again and restarts it (one
-#: directory per node in ``coordination/``): the streams come back with their messages.
+#: ... and this registers the coordinator's data directory again and restarts it: the
+#: one directory in ``coordination/`` no Ra server of the node claims (on 4.x, Khepri's
+#: is there too): the streams come back with their messages.
 RESTORE_STREAM_COORDINATOR = (
     "#{data_dir := D, names := #{directory_rev := R}} = ra_system:fetch(coordination), "
+    "Known = [K || {_, K} <- dets:match_object(R, '_')], "
     "[U] = [list_to_binary(F) || F <- element(2, file:list_dir(D)), "
-    "filelib:is_dir(filename:join(D, F))], "
+    "filelib:is_dir(filename:join(D, F))] -- Known, "
     "ok = dets:insert(R, {rabbit_stream_coordinator, U}), ok = dets:sync(R), "
     "rabbit_stream_coordinator:recover()."
 )
@@ -78,28 +92,120 @@ KILL_TIMEOUT_S = 30.0
 DEBIAN_BIN_DIR = "/usr/lib/rabbitmq/bin"
 #: Overrides the search for the scripts: the directory holding ``rabbitmq-server``.
 BIN_DIR_VARIABLE = "HOPSCHED_RABBITMQ_BIN"
+#: A directory holding another installation, whose scripts run there with ``chroot``.
+ROOT_VARIABLE = "HOPSCHED_RABBITMQ_ROOT"
+#: The feature flag that moves a node's metadata from Mnesia to Khepri (RabbitMQ >= 4.0,
+#: opt-in there: https://www.rabbitmq.com/docs/metadata-store).
+KHEPRI_FLAG = "khepri_db"
 
 
 class LocalBrokerError(HopschedError):
     """A private node did not start, stop or answer ``rabbitmqctl`` as expected."""
 
 
-def rabbitmq_bin_dir() -> Path | None:
-    """The directory holding the real ``rabbitmq-server`` and ``rabbitmqctl`` scripts, or
-    None: ``$HOPSCHED_RABBITMQ_BIN`` if set (and nothing else), else Debian's
-    ``/usr/lib/rabbitmq/bin``, else the directory of ``rabbitmq-server`` on ``PATH``."""
-    if (chosen := os.environ.get(BIN_DIR_VARIABLE)) is not None:
+@dataclass(frozen=True)
+class Installation:
+    """A RabbitMQ installation whose real scripts start private nodes.
+
+    Attributes:
+        bin_dir: the directory of ``rabbitmq-server`` and ``rabbitmqctl``, as the
+            scripts see it (inside ``chroot`` when there is one).
+        chroot: the directory the scripts run in with ``chroot`` (which needs root), or
+            None for this machine's own root.
+    """
+
+    bin_dir: Path
+    chroot: Path | None = None
+
+    def command(self, script: str, *args: str, env: Sequence[str] = ()) -> list[str]:
+        """The command line that runs ``script`` (e.g. ``"rabbitmqctl"``) with ``args``,
+        and with ``env`` (``NAME=value`` items) set by ``env`` first if given."""
+        command = [*(["env", *env] if env else []), str(self.bin_dir / script), *args]
+        return command if self.chroot is None else ["chroot", str(self.chroot), *command]
+
+    def host_path(self, path: Path) -> Path:
+        """A path as the scripts see it (``path``), as this process sees it."""
+        return path if self.chroot is None else self.chroot / path.relative_to("/")
+
+    def inside(self, path: Path) -> Path:
+        """``path`` (of this process) as the scripts see it; it must be in the chroot."""
+        return path if self.chroot is None else Path("/") / path.relative_to(self.chroot)
+
+    def make_directory(self) -> Path:
+        """A new empty directory the scripts can use (under the chroot's ``/tmp``)."""
+        parent = None if self.chroot is None else str(self.host_path(Path("/tmp")))
+        return Path(tempfile.mkdtemp(prefix="hopsched-rmq-", dir=parent))
+
+    @property
+    def lib_dir(self) -> Path:
+        """The ``rabbitmq_server-VERSION`` directory (its ``plugins/``), as seen here:
+        Debian's ``…/lib/rabbitmq_server-*`` beside ``bin``, or the one holding ``sbin``
+        (RabbitMQ's generic Unix archive)."""
+        parent = self.host_path(self.bin_dir).resolve().parent
+        if parent.name.startswith("rabbitmq_server-"):
+            return parent
+        found = sorted((parent / "lib").glob("rabbitmq_server-*"))
+        if not found:
+            raise LocalBrokerError(f"no rabbitmq_server-* directory beside {self}")
+        return found[-1]
+
+    @property
+    def version(self) -> str:
+        """The installed RabbitMQ version, e.g. ``"4.0.5"`` (from ``lib_dir``'s name)."""
+        return self.lib_dir.name.removeprefix("rabbitmq_server-")
+
+    def __str__(self) -> str:
+        where = str(self.bin_dir / "rabbitmq-server")
+        return where if self.chroot is None else f"{where} in the chroot {self.chroot}"
+
+
+def rabbitmq_installation() -> Installation | None:
+    """The RabbitMQ installation private nodes run from, or None if there is none:
+    ``installation_in($HOPSCHED_RABBITMQ_ROOT)`` if that is set (and not empty), else
+    ``machine_installation()``."""
+    if chroot := os.environ.get(ROOT_VARIABLE):
+        return installation_in(Path(chroot))
+    return machine_installation()
+
+
+def installation_in(chroot: Path) -> Installation | None:
+    """The installation in directory ``chroot`` (run there with ``chroot``), or None:
+    its scripts in ``$HOPSCHED_RABBITMQ_BIN`` (as seen inside it) or else
+    ``/usr/lib/rabbitmq/bin``."""
+    bin_dir = Path(os.environ.get(BIN_DIR_VARIABLE) or DEBIAN_BIN_DIR)
+    inside = Installation(bin_dir, chroot.resolve())
+    found = inside.host_path(inside.bin_dir) / "rabbitmq-server"
+    return inside if found.is_file() else None
+
+
+def machine_installation() -> Installation | None:
+    """This machine's own installation, or None: ``$HOPSCHED_RABBITMQ_BIN`` if set (and
+    nothing else), else Debian's ``/usr/lib/rabbitmq/bin``, else the directory of
+    ``rabbitmq-server`` on ``PATH``."""
+    chosen = os.environ.get(BIN_DIR_VARIABLE)
+    if chosen is not None:
         candidates = [chosen]
     else:
         candidates = [DEBIAN_BIN_DIR]
-        if found := shutil.which("rabbitmq-server"):
-            resolved = Path(found).resolve()
+        if found_on_path := shutil.which("rabbitmq-server"):
+            resolved = Path(found_on_path).resolve()
             if resolved.name == "rabbitmq-server":  # not Debian's user-switching wrapper
                 candidates.append(str(resolved.parent))
     for candidate in candidates:
         if candidate and (Path(candidate) / "rabbitmq-server").is_file():
-            return Path(candidate)
+            return Installation(Path(candidate))
     return None
+
+
+def not_installed() -> str:
+    """Why ``rabbitmq_installation()`` found nothing: where it looked."""
+    if chroot := os.environ.get(ROOT_VARIABLE):
+        inside = os.environ.get(BIN_DIR_VARIABLE) or DEBIAN_BIN_DIR
+        return f"RabbitMQ is not installed in ${ROOT_VARIABLE} ({chroot}: no {inside})"
+    return (
+        f"RabbitMQ is not installed (no rabbitmq-server in ${BIN_DIR_VARIABLE}, "
+        f"{DEBIAN_BIN_DIR} or PATH)"
+    )
 
 
 def free_port() -> int:
@@ -123,8 +229,10 @@ class PrivateBroker:
     """One RabbitMQ node in ``root``: ``start()``, ``kill()`` (a crash), ``start()`` again.
 
     Args:
-        bin_dir: the directory of the real ``rabbitmq-server`` and ``rabbitmqctl``.
-        root: an empty directory the node owns (data, logs, config, ``HOME``).
+        installation: the RabbitMQ whose scripts run the node.
+        root: an empty directory the node owns (data, logs, config, ``HOME``), as this
+            process sees it (inside the installation's chroot if it has one:
+            ``Installation.make_directory()``).
         config: extra ``rabbitmq.conf`` lines, e.g. ``consumer_timeout = 60000``.
         plugins: plugins to enable, e.g. ``["rabbitmq_auth_mechanism_ssl"]``.
         cookie: the Erlang cookie (nodes of one cluster share one); default: Erlang's
@@ -135,7 +243,7 @@ class PrivateBroker:
 
     def __init__(
         self,
-        bin_dir: Path,
+        installation: Installation,
         root: Path,
         config: str = "",
         plugins: Sequence[str] = (),
@@ -143,7 +251,7 @@ class PrivateBroker:
         cookie: str | None = None,
         management: bool = False,
     ) -> None:
-        self.bin_dir = bin_dir
+        self.installation = installation
         self.root = root
         self.node = f"hopsched-{uuid.uuid4().hex[:8]}@localhost"
         self.port = free_port()
@@ -162,6 +270,7 @@ class PrivateBroker:
         home, data, logs = root / "home", root / "data", root / "log"
         for directory in (home, data, logs):
             directory.mkdir()
+        inside = installation.inside
         if cookie is not None:  # Erlang refuses a cookie file others may read
             cookie_file = home / ".erlang.cookie"
             cookie_file.write_text(cookie)
@@ -172,20 +281,20 @@ class PrivateBroker:
             f"listeners.tcp.default = 127.0.0.1:{self.port}\n{config.strip()}\n"
         )
         self.log_file = logs / f"{self.node}.log"
-        self.env = {
+        self.env = {  # the paths as the scripts see them
             **os.environ,
-            "HOME": str(home),  # the Erlang cookie, shared by the node and rabbitmqctl
+            "HOME": str(inside(home)),  # the Erlang cookie, for the node and rabbitmqctl
             "RABBITMQ_NODENAME": self.node,
             "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
             "RABBITMQ_NODE_PORT": str(self.port),
             "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_MNESIA_BASE": str(data),
-            "RABBITMQ_LOG_BASE": str(logs),
-            "RABBITMQ_PID_FILE": str(self._pid_file),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(root / "enabled_plugins"),
-            "RABBITMQ_CONFIG_FILE": str(root / "rabbitmq.conf"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(root / "advanced.config"),
-            "RABBITMQ_CONF_ENV_FILE": str(root / "rabbitmq-env.conf"),
+            "RABBITMQ_MNESIA_BASE": str(inside(data)),
+            "RABBITMQ_LOG_BASE": str(inside(logs)),
+            "RABBITMQ_PID_FILE": str(inside(self._pid_file)),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(inside(root / "enabled_plugins")),
+            "RABBITMQ_CONFIG_FILE": str(inside(root / "rabbitmq.conf")),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(inside(root / "advanced.config")),
+            "RABBITMQ_CONF_ENV_FILE": str(inside(root / "rabbitmq-env.conf")),
             "ERL_EPMD_ADDRESS": "127.0.0.1",  # should this node have to start epmd
         }
 
@@ -200,6 +309,11 @@ class PrivateBroker:
         if self.management_port is None:
             return None
         return f"http://127.0.0.1:{self.management_port}/"
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the node's process runs (a killed one not yet reaped does not)."""
+        return self.pid is not None and _alive(self.pid)
 
     def rss_bytes(self) -> int:
         """The node's resident memory (its Erlang VM), bytes; 0 when not running."""
@@ -229,14 +343,19 @@ class PrivateBroker:
         """
         if self.pid is not None and _alive(self.pid):
             raise LocalBrokerError(f"node {self.node} is already running")
+        if self.installation.chroot is not None and os.geteuid() != 0:
+            raise LocalBrokerError(
+                f"node {self.node}: {self.installation} runs with chroot, which needs root"
+            )
         self._pid_file.unlink(missing_ok=True)  # else `wait` reads the killed node's pid
         started = time.monotonic()
         server = await asyncio.create_subprocess_exec(
-            str(self.bin_dir / "rabbitmq-server"), "-detached", env=self.env
+            *self.installation.command("rabbitmq-server", "-detached"), env=self.env
         )
         await server.wait()
+        pid_file = str(self.installation.inside(self._pid_file))
         try:
-            await self.rabbitmqctl("wait", str(self._pid_file), "--timeout", str(int(within)))
+            await self.rabbitmqctl("wait", pid_file, "--timeout", str(int(within)))
         except LocalBrokerError as failure:
             tail = "\n".join(self.log().splitlines()[-15:])
             raise LocalBrokerError(
@@ -308,6 +427,29 @@ class PrivateBroker:
         node forget it: docs/operations.md, "A stream down after a crash"."""
         await self.rabbitmqctl("eval", RESTORE_STREAM_COORDINATOR)
 
+    async def enable_khepri(self) -> None:
+        """Move the node's metadata store from Mnesia to Khepri (RabbitMQ >= 4.0): the
+        ``khepri_db`` feature flag, which cannot be disabled again. In a cluster, any
+        one node enables it for all."""
+        await self.rabbitmqctl("enable_feature_flag", "--opt-in", KHEPRI_FLAG, within=120)
+
+    async def metadata_store(self) -> str:
+        """``"khepri"`` or ``"mnesia"``: which store the node keeps its metadata in."""
+        flags = await self.rabbitmqctl("list_feature_flags", "-q", "--no-table-headers")
+        for line in flags.splitlines():
+            fields = line.split()
+            if fields[:1] == [KHEPRI_FLAG]:
+                return "khepri" if fields[1:2] == ["enabled"] else "mnesia"
+        return "mnesia"  # RabbitMQ < 4.0 knows no Khepri
+
+    @property
+    def rabbitmqctl_command(self) -> list[str]:
+        """A command prefix that runs ``rabbitmqctl`` against this node from anywhere
+        (``shlex.join`` it for ``HOPSCHED_TEST_RABBITMQCTL``): with the node's ``HOME``,
+        which holds its Erlang cookie, in the chroot if any, and ``-n NODE``."""
+        home = f"HOME={self.env['HOME']}"
+        return self.installation.command("rabbitmqctl", "-n", self.node, env=[home])
+
     async def rabbitmqctl(self, *args: str, within: float = 60) -> str:
         """Run ``rabbitmqctl -n NODE args…`` against this node; return its stdout.
 
@@ -320,10 +462,7 @@ class PrivateBroker:
         """
         command = " ".join(args)
         process = await asyncio.create_subprocess_exec(
-            str(self.bin_dir / "rabbitmqctl"),
-            "-n",
-            self.node,
-            *args,
+            *self.installation.command("rabbitmqctl", "-n", self.node, *args),
             env=self.env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -350,7 +489,7 @@ class PrivateBroker:
     def _find_pid(self) -> int | None:
         """The node's process found by its ``-home`` argument, for a node interrupted
         while starting, before it wrote its pid file."""
-        marker = f"-home\0{self.root / 'home'}\0".encode()
+        marker = f"-home\0{self.installation.inside(self.root / 'home')}\0".encode()
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 with contextlib.suppress(OSError):
@@ -369,9 +508,21 @@ class PrivateBroker:
                 time.sleep(0.05)
 
 
+def _installed(installation: Installation | None) -> Installation:
+    installation = installation or rabbitmq_installation()
+    if installation is None:
+        raise LocalBrokerError(not_installed())
+    return installation
+
+
 @contextlib.asynccontextmanager
 async def private_node(
-    config: str = "", *, plugins: Sequence[str] = (), bin_dir: Path | None = None
+    config: str = "",
+    *,
+    plugins: Sequence[str] = (),
+    management: bool = False,
+    khepri: bool = False,
+    installation: Installation | None = None,
 ) -> AsyncIterator[PrivateBroker]:
     """A started node in a new temporary directory; on exit, however it comes (an error,
     a cancellation, Ctrl-C), the node is killed and the directory removed.
@@ -379,22 +530,21 @@ async def private_node(
     Args:
         config: extra ``rabbitmq.conf`` lines.
         plugins: plugins to enable.
-        bin_dir: the scripts' directory; default ``rabbitmq_bin_dir()``.
+        management: the management plugin (``management_url``).
+        khepri: keep the metadata in Khepri (``enable_khepri()``; RabbitMQ >= 4.0).
+        installation: the RabbitMQ to run; default ``rabbitmq_installation()``.
 
     Raises:
         LocalBrokerError: RabbitMQ is not installed, or the node did not start.
     """
-    bin_dir = bin_dir or rabbitmq_bin_dir()
-    if bin_dir is None:
-        raise LocalBrokerError(
-            f"RabbitMQ is not installed (no rabbitmq-server in ${BIN_DIR_VARIABLE}, "
-            f"{DEBIAN_BIN_DIR} or PATH)"
-        )
-    root = Path(tempfile.mkdtemp(prefix="hopsched-rmq-"))
+    installation = _installed(installation)
+    root = installation.make_directory()
     node: PrivateBroker | None = None
     try:
-        node = PrivateBroker(bin_dir, root, config, plugins)
+        node = PrivateBroker(installation, root, config, plugins, management=management)
         await node.start()
+        if khepri:
+            await node.enable_khepri()
         yield node
     finally:
         if node is not None:
@@ -424,7 +574,7 @@ class PrivateCluster:
 
     def running(self) -> list[PrivateBroker]:
         """The nodes whose process runs."""
-        return [node for node in self.nodes if node.pid is not None and _alive(node.pid)]
+        return [node for node in self.nodes if node.is_running]
 
     def by_name(self, name: str) -> PrivateBroker:
         """The node named ``name`` (e.g. ``hopsched-1a2b3c4d@localhost``).
@@ -482,7 +632,8 @@ async def private_cluster(
     *,
     plugins: Sequence[str] = (),
     management: bool = False,
-    bin_dir: Path | None = None,
+    khepri: bool = False,
+    installation: Installation | None = None,
 ) -> AsyncIterator[PrivateCluster]:
     """``size`` private nodes (distinct node names, AMQP and distribution ports, one
     Erlang cookie) joined into one cluster; on exit, however it comes, every node is
@@ -496,24 +647,22 @@ async def private_cluster(
         config: extra ``rabbitmq.conf`` lines for every node.
         plugins: plugins to enable on every node.
         management: the management plugin on every node (``management_url``).
-        bin_dir: the scripts' directory; default ``rabbitmq_bin_dir()``.
+        khepri: the cluster keeps its metadata in Khepri (enabled once formed).
+        installation: the RabbitMQ to run; default ``rabbitmq_installation()``.
 
     Raises:
         LocalBrokerError: RabbitMQ is not installed, a node did not start or join.
     """
-    bin_dir = bin_dir or rabbitmq_bin_dir()
-    if bin_dir is None:
-        raise LocalBrokerError(
-            f"RabbitMQ is not installed (no rabbitmq-server in ${BIN_DIR_VARIABLE}, "
-            f"{DEBIAN_BIN_DIR} or PATH)"
-        )
+    installation = _installed(installation)
     cookie = uuid.uuid4().hex.upper()
-    roots = [Path(tempfile.mkdtemp(prefix="hopsched-rmq-")) for _ in range(size)]
+    roots = [installation.make_directory() for _ in range(size)]
     cluster = PrivateCluster([])
     try:
         for root in roots:
             cluster.nodes.append(
-                PrivateBroker(bin_dir, root, config, plugins, cookie=cookie, management=management)
+                PrivateBroker(
+                    installation, root, config, plugins, cookie=cookie, management=management
+                )
             )
         await asyncio.gather(*(node.start() for node in cluster.nodes))
         first = cluster.nodes[0]
@@ -522,6 +671,8 @@ async def private_cluster(
             await node.rabbitmqctl("join_cluster", first.node)
             await node.rabbitmqctl("start_app")
             await node._wait_accepting(START_TIMEOUT_S)
+        if khepri:
+            await first.enable_khepri()
         yield cluster
     finally:
         cluster.close()

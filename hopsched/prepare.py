@@ -170,6 +170,7 @@ def check_request(
     targets: TargetPolicy,
     login: str,
     frame_max: int,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Checked:
     """Check one ``schedule()`` call and plan its first hop.
 
@@ -181,6 +182,8 @@ def check_request(
         targets: the allowed targets (``Settings.allowed_targets``).
         login: the user the connection logs in as (``user_id`` must be it).
         frame_max: the connection's, bytes (131,072 if not connected yet).
+        max_body_bytes: the largest body to send (``Settings.max_message_size``: the
+            broker's ``max_message_size``, 16 MiB by default on RabbitMQ 4.x).
 
     Raises:
         InvalidScheduleError: anything AMQP, RabbitMQ or hopsched cannot carry, naming it.
@@ -190,6 +193,12 @@ def check_request(
     _check_target(exchange, routing_key, targets)
     schedule_id = check_schedule_id(request.schedule_id)
     body, callers = _body_and_properties(request.message)
+    if len(body) > max_body_bytes:
+        raise InvalidScheduleError(
+            f"the body is {len(body)} bytes, over max_message_size ({max_body_bytes} bytes; "
+            "RabbitMQ refuses a larger one by closing the channel): schedule a reference to "
+            "the data instead, or raise Settings.max_message_size to the broker's own limit"
+        )
     check_properties(callers)
     if callers.user_id is not None and callers.user_id != login:
         raise InvalidScheduleError(

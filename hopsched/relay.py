@@ -53,7 +53,12 @@ from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.settings import Settings
 from hopsched.stats import RelayStats
-from hopsched.topology import CANCEL_RETENTION_US, Topology, declare_topology
+from hopsched.topology import (
+    CANCEL_RETENTION_US,
+    RELAY_CONSUMER_ARGUMENTS,
+    Topology,
+    declare_topology,
+)
 
 if TYPE_CHECKING:
     from hopsched.metrics import MetricsServer
@@ -345,7 +350,12 @@ class _Session:
         await channel.qos(self.settings.prefetch)
         self.acker = Acker(channel)
         cancelled = asyncio.Event()
-        tag = await channel.consume(topology.relay_queue, self._received, lambda _: cancelled.set())
+        tag = await channel.consume(
+            topology.relay_queue,
+            self._received,
+            lambda _: cancelled.set(),
+            arguments=RELAY_CONSUMER_ARGUMENTS,
+        )
         relay._consuming.set()
         log.info(
             "relay consuming %s on node %s (prefetch %d, %s ladder %d..%d ms)",
@@ -384,7 +394,10 @@ class _Session:
             cancelled.clear()
             await self._declare()
             tag = await channel.consume(
-                topology.relay_queue, self._received, lambda _: cancelled.set()
+                topology.relay_queue,
+                self._received,
+                lambda _: cancelled.set(),
+                arguments=RELAY_CONSUMER_ARGUMENTS,
             )
         await self._drain(channel, tag)
 

@@ -63,7 +63,7 @@ CANCEL_LEAD_S = 0.05
 #: Records per stream message of ``cancel_many``.
 _RECORDS_PER_MESSAGE = 1000
 #: How RabbitMQ words a body over its ``max_message_size`` (406), 3.10 and 4.0.
-_TOO_LARGE = re.compile(r"message size \d+ is larger than (configured )?max size \d+")
+_TOO_LARGE = re.compile(r"message size (\d+) is larger than (?:configured )?max size (\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,6 +535,7 @@ class Scheduler:
             targets=self._targets,
             login=self.settings.login,
             frame_max=publisher.connection.frame_max if publisher is not None else 131_072,
+            max_body_bytes=self.settings.max_message_size,
         )
         checked.envelope = self._signatures.sign_envelope(checked.envelope, checked.body)
         return checked
@@ -679,10 +680,13 @@ class Scheduler:
                 "x-overflow=reject-publish, or an unavailable one)"
             )
         if isinstance(detail, ChannelClosedError):
-            if detail.reply_code == 406 and _TOO_LARGE.search(detail.reply_text):
+            if detail.reply_code == 406 and (too_large := _TOO_LARGE.search(detail.reply_text)):
                 return MessageTooLargeError(
-                    f"the broker refused the message: {detail}. Store large data elsewhere "
-                    "and schedule a reference to it (or raise max_message_size)"
+                    f"the broker refused the message: its body ({too_large[1]} bytes) is "
+                    f"larger than the broker's max_message_size ({too_large[2]} bytes); "
+                    "nothing was scheduled. Store large data elsewhere and schedule a "
+                    f"reference to it; Settings.max_message_size={too_large[2]} refuses such a "
+                    f"body before sending ({detail})"
                 )
             return TargetRefused(f"the broker refused the message: {detail}")
         if isinstance(detail, BrokerUnavailableError):

@@ -20,6 +20,10 @@ __all__ = ["QueueType", "Settings", "mask_url", "split_urls"]
 
 QueueType = Literal["quorum", "classic"]
 
+#: RabbitMQ 4.x's default ``max_message_size``, bytes (https://www.rabbitmq.com/docs/configure).
+MAX_MESSAGE_SIZE = 16 * 1024 * 1024
+#: The largest ``max_message_size`` RabbitMQ accepts, bytes.
+BROKER_MAX_MESSAGE_SIZE = 512 * 1024 * 1024
 _PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$")
 _ENV = "HOPSCHED_"
 # Several node URLs: split at a comma only where the next URL starts, so that an
@@ -233,6 +237,11 @@ class Settings:
             Scheduler the policies in force (``hopsched.policy_watch``); empty (the
             default): ``http://HOST:15672/`` for each node URL's host. The login is the
             AMQP URL's.
+        max_message_size: the largest body ``schedule()`` sends, bytes; a larger one is
+            refused with ``InvalidScheduleError`` before anything is sent. 16,777,216
+            (16 MiB): RabbitMQ 4.x's default ``max_message_size``, which the broker
+            enforces by closing the channel (https://www.rabbitmq.com/docs/configure);
+            set it to your broker's (RabbitMQ 3.x: 128 MiB, at most 512 MiB).
 
     Raises:
         InvalidSettingsError: a value is out of range; the message says which and why.
@@ -256,6 +265,7 @@ class Settings:
     signing_keys: tuple[SigningKey | str, ...] = ()
     require_signatures: bool = False
     management_url: str = ""
+    max_message_size: int = MAX_MESSAGE_SIZE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _join_urls(self.url))
@@ -296,6 +306,15 @@ class Settings:
         if isinstance(self.metrics_port, bool) or not 0 <= self.metrics_port <= 65535:
             raise InvalidSettingsError(
                 f"metrics_port {self.metrics_port!r}: must be 1..65535, or 0 for no endpoint"
+            )
+        if (
+            isinstance(self.max_message_size, bool)
+            or not isinstance(self.max_message_size, int)
+            or not 1 <= self.max_message_size <= BROKER_MAX_MESSAGE_SIZE
+        ):
+            raise InvalidSettingsError(
+                f"max_message_size {self.max_message_size!r}: must be 1..{BROKER_MAX_MESSAGE_SIZE}"
+                " bytes (the broker's max_message_size; RabbitMQ caps it at 512 MiB)"
             )
         if not self.metrics_address.strip():
             raise InvalidSettingsError("metrics_address '': give an address, e.g. 127.0.0.1")

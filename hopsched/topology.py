@@ -31,6 +31,7 @@ __all__ = [
     "HOLDING_SUFFIX",
     "LEADER_LOCATOR",
     "PARKED_DELIVERY_LIMIT",
+    "RELAY_CONSUMER_ARGUMENTS",
     "RELAY_DELIVERY_LIMIT",
     "ROLES",
     "HeldCounter",
@@ -60,6 +61,14 @@ DEAD_LETTER_ROUTING_KEY = "expired"
 #: (https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling). The relay
 #: itself never returns a delivery to the queue.
 RELAY_DELIVERY_LIMIT = 100
+#: The relay's ``basic.consume`` arguments on ``{prefix}.relay``: a consumer timeout of
+#: 30 min (RabbitMQ's default ``consumer_timeout``). From RabbitMQ 4.3 a quorum queue's
+#: consumer timeout can also come from a ``consumer-timeout`` policy or queue argument,
+#: and a consumer's own argument takes precedence over both
+#: (https://www.rabbitmq.com/docs/consumers#acknowledgement-timeout): so a short policy
+#: cannot take back the deliveries a relay holds until their due time (at most
+#: ``MAX_HOLD_MS``, 60 s). RabbitMQ < 4.3 ignores the argument (3.10.8 and 4.0.5 tested).
+RELAY_CONSUMER_ARGUMENTS = {"x-consumer-timeout": 1_800_000}
 #: The same for ``{prefix}.parked``, where nothing should ever be dropped: listing the
 #: parked messages returns each to the queue, which RabbitMQ < 4.3 counts as a delivery.
 #: (-1, "unlimited" on 4.x, means "drop at the first return" on 3.10.)

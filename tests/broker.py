@@ -1,10 +1,17 @@
 """Fixtures for private RabbitMQ nodes, to crash and restart without touching the shared one.
 
 The nodes are ``hopsched.localbroker.PrivateBroker`` (see that module for the recipe).
+Which RabbitMQ runs them is chosen by the environment, as for every user of
+``hopsched.localbroker``: the machine's own installation, or with
+``HOPSCHED_RABBITMQ_ROOT=/opt/hopsched-rabbitmq4`` the one in that chroot (RabbitMQ 4.0.5
+from ``.ci/rabbitmq4``). With ``HOPSCHED_TEST_KHEPRI=1`` every private node and cluster
+keeps its metadata in Khepri (the ``khepri_db`` feature flag, RabbitMQ >= 4.0).
 
 Fixtures (registered by ``conftest.py``):
 
 * ``private_broker``: a node with the default configuration.
+* ``node_tmp_path``: a temporary directory the nodes can read too (in the chroot, when
+  the installation has one); ``seen_by_nodes(path)`` is its files' path as they see it.
 * ``start_private_broker``: ``await start_private_broker(config="consumer_timeout = 60000")``
   starts a node with extra ``rabbitmq.conf`` lines (and ``plugins=[...]`` enabled); every
   node started is killed and its directory removed when the test ends, passed or failed.
@@ -17,41 +24,66 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from support import missing
 
-from hopsched.localbroker import DEBIAN_BIN_DIR, PrivateBroker, private_node, rabbitmq_bin_dir
+from hopsched.localbroker import (
+    Installation,
+    PrivateBroker,
+    not_installed,
+    private_node,
+    rabbitmq_installation,
+)
 
-__all__ = ["PrivateBroker", "private_broker", "require_rabbitmq", "start_private_broker"]
+__all__ = [
+    "PrivateBroker",
+    "khepri",
+    "node_tmp_path",
+    "private_broker",
+    "require_rabbitmq",
+    "seen_by_nodes",
+    "start_private_broker",
+]
+
+#: ``1``: private nodes keep their metadata in Khepri (RabbitMQ >= 4.0).
+KHEPRI_VARIABLE = "HOPSCHED_TEST_KHEPRI"
 
 
-def require_rabbitmq() -> Path:
-    """The directory of ``rabbitmq-server``; skips the test if there is none (fails it
-    under ``CI=true``)."""
-    bin_dir = rabbitmq_bin_dir()
-    if bin_dir is not None:
-        return bin_dir
-    reason = (
-        f"RabbitMQ is not installed (no rabbitmq-server in HOPSCHED_RABBITMQ_BIN, "
-        f"{DEBIAN_BIN_DIR} or PATH): the private-node fault tests need it"
-    )
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI must run them", pytrace=False)
-    pytest.skip(reason)
+def khepri() -> bool:
+    """Whether the private nodes of this run keep their metadata in Khepri."""
+    return os.environ.get(KHEPRI_VARIABLE, "") not in ("", "0")
+
+
+def require_rabbitmq() -> Installation:
+    """The installation private nodes run from; ``missing()`` if there is none."""
+    installation = rabbitmq_installation()
+    if installation is not None:
+        return installation
+    missing(f"{not_installed()}: the private-node fault tests need it")
 
 
 @pytest.fixture
 async def start_private_broker() -> AsyncIterator[Callable[..., Awaitable[PrivateBroker]]]:
-    """``await start_private_broker(config="", plugins=())``: a started private node (see
-    module doc)."""
-    bin_dir = require_rabbitmq()
+    """``await start_private_broker(config="", plugins=(), management=False)``: a started
+    private node (see module doc)."""
+    installation = require_rabbitmq()
     async with contextlib.AsyncExitStack() as nodes:
 
-        async def start(config: str = "", plugins: Sequence[str] = ()) -> PrivateBroker:
+        async def start(
+            config: str = "", plugins: Sequence[str] = (), *, management: bool = False
+        ) -> PrivateBroker:
             return await nodes.enter_async_context(
-                private_node(config, plugins=plugins, bin_dir=bin_dir)
+                private_node(
+                    config,
+                    plugins=plugins,
+                    management=management,
+                    khepri=khepri(),
+                    installation=installation,
+                )
             )
 
         yield start
@@ -63,3 +95,17 @@ async def private_broker(
 ) -> PrivateBroker:
     """A private node with the default configuration, started."""
     return await start_private_broker()
+
+
+@pytest.fixture
+def node_tmp_path() -> Iterator[Path]:
+    """A new directory (this process's path) whose files private nodes can read: for
+    their configuration's files (certificates, say); removed after the test."""
+    path = require_rabbitmq().make_directory()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def seen_by_nodes(path: str | Path) -> str:
+    """``path`` (in ``node_tmp_path``) as the private nodes see it."""
+    return str(require_rabbitmq().inside(Path(path)))

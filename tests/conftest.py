@@ -1,8 +1,11 @@
 """Fixtures for integration tests against a real RabbitMQ broker.
 
-The broker is ``HOPSCHED_TEST_URL`` (default ``amqp://guest:guest@127.0.0.1:5672/``).
-If it cannot be reached, every test that needs it fails with a clear message; none is
-skipped. Each test gets its own prefix and deletes every queue and exchange it made.
+The broker is ``HOPSCHED_TEST_URL`` (default ``amqp://guest:guest@127.0.0.1:5672/``);
+whatever the tests do to it besides AMQP goes through ``HOPSCHED_TEST_RABBITMQCTL``
+(``support.rabbitmqctl``). If it cannot be reached, every test that needs it fails with
+a clear message; none is skipped. Each test gets its own prefix and deletes every queue
+and exchange it made; at the end of the run, anything a test left on the broker (a
+queue, exchange, user, vhost or policy) fails the run (``leftovers.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
+from broker import node_tmp_path as node_tmp_path
 from broker import private_broker as private_broker
 from broker import start_private_broker as start_private_broker
-from support import Cleanup, Relays, Targets
+from leftovers import LeftoverCheck
+from support import BROKER_URL, Cleanup, Relays, Targets, rabbitmqctl_command
 
 import hopsched
 
-BROKER_URL = os.environ.get("HOPSCHED_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
+#: What this run leaves on the test broker, checked once the run ends.
+LEFTOVERS = LeftoverCheck(rabbitmqctl_command())
+_LEFTOVER_REPORT: list[str] = []
 
 
 def _probe(url: str) -> str | None:
@@ -54,7 +61,26 @@ def broker_url() -> str:
             "(rabbitmq-server -detached) or point HOPSCHED_TEST_URL at one.",
             pytrace=False,
         )
+    LEFTOVERS.start()
     return BROKER_URL
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run if it left anything on the test broker (F38), and remove it."""
+    passed, lines = LEFTOVERS.finish()
+    if LEFTOVERS.command is None and os.environ.get("CI") == "true":
+        passed = False
+        lines = [*lines, "FAILED: CI must check what the tests leave on the broker"]
+    _LEFTOVER_REPORT[:] = lines
+    if not passed and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _LEFTOVER_REPORT:
+        terminalreporter.section("left on the test broker")
+        for line in _LEFTOVER_REPORT:
+            terminalreporter.line(line)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
@@ -34,6 +35,8 @@ HEADER_HOPS = "x-hopsched-hops"
 HEADER_EXCHANGE = "x-hopsched-exchange"
 HEADER_ROUTING_KEY = "x-hopsched-routing-key"
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
+#: The broker the integration tests run against (``HOPSCHED_TEST_URL``).
+BROKER_URL = os.environ.get("HOPSCHED_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 RELAY_START_TIMEOUT_S = 30.0
 RELAY_STOP_TIMEOUT_S = 30.0
 #: What a target consumer may see added to the caller's headers.
@@ -216,6 +219,15 @@ async def wait_until_count(
     return current
 
 
+def broker_version(connection: aio_pika.abc.AbstractConnection) -> tuple[int, ...]:
+    """The RabbitMQ version a connection's broker gave in ``connection.start``, e.g.
+    ``(4, 0, 5)``."""
+    underlay = connection.transport.connection  # type: ignore[attr-defined]
+    version = underlay.server_properties["version"]
+    text = version.decode() if isinstance(version, bytes) else str(version)
+    return tuple(int(part) for part in text.split("-")[0].split("."))
+
+
 async def get_all(
     connection: aio_pika.abc.AbstractConnection, queue: str
 ) -> list[AbstractIncomingMessage]:
@@ -243,6 +255,22 @@ def rabbitmqctl_command() -> list[str] | None:
     return [path] if path is not None else None
 
 
+def missing(reason: str) -> NoReturn:
+    """Skip the test for want of ``reason``'s tool; under ``CI=true`` fail it: CI must
+    run every test."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI must run this test", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_rabbitmqctl() -> list[str]:
+    """The test broker's ``rabbitmqctl`` command; ``missing()`` without one."""
+    command = rabbitmqctl_command()
+    if command is not None:
+        return command
+    missing(f"no rabbitmqctl for the test broker (set {RABBITMQCTL_VARIABLE})")
+
+
 def rabbitmqctl_path() -> str | None:
     """The test broker's ``rabbitmqctl`` command as one string, or None if there is none."""
     command = rabbitmqctl_command()
@@ -268,6 +296,20 @@ async def rabbitmqctl(*args: str, within: float = 60) -> str:
     if process.returncode != 0:
         pytest.fail(f"rabbitmqctl {' '.join(args)} exited {process.returncode}: {err.decode()}")
     return out.decode()
+
+
+async def management_url() -> str | None:
+    """The test broker's management API base URL with the test URL's login (e.g.
+    ``http://guest:guest@127.0.0.1:15672/``), from the HTTP listener ``rabbitmqctl
+    status`` lists; None without the management plugin. Only ``HOPSCHED_TEST_URL`` and
+    ``HOPSCHED_TEST_RABBITMQCTL`` are needed to find it."""
+    status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
+    ports = [listener["port"] for listener in status["listeners"] if listener["protocol"] == "http"]
+    if not ports:
+        return None
+    parts = urlsplit(BROKER_URL)
+    login = parts.netloc.rpartition("@")[0]
+    return f"http://{login}@{parts.hostname}:{ports[0]}/"
 
 
 async def queue_arguments(vhost: str = "/") -> dict[str, dict[str, tuple[str, Any]]]:
@@ -435,10 +477,11 @@ async def hopsched_cli(
 ) -> tuple[int, str, str]:
     """Run ``python -m hopsched ARGS``; return (exit status, stdout, stderr).
 
-    ``settings`` set ``HOPSCHED_URL``, ``_PREFIX`` and ``_QUEUE_TYPE``; ``env`` adds
-    variables on top of the test's environment.
+    ``HOPSCHED_URL`` is the test broker's (a command without ``--url`` goes there, never
+    to a broker the test does not test); ``settings`` set ``HOPSCHED_URL``, ``_PREFIX``
+    and ``_QUEUE_TYPE``; ``env`` adds variables on top of the test's environment.
     """
-    env = dict(os.environ) | dict(env or {})
+    env = dict(os.environ) | {"HOPSCHED_URL": BROKER_URL} | dict(env or {})
     if settings is not None:
         env |= {
             "HOPSCHED_URL": settings.url,

@@ -34,7 +34,7 @@ from amqp_support import (
     encoded,
     open_connection,
 )
-from broker import DEBIAN_BIN_DIR, PrivateBroker, rabbitmq_bin_dir
+from broker import PrivateBroker, require_rabbitmq, seen_by_nodes
 
 import hopsched
 import hopsched.connect
@@ -140,23 +140,24 @@ def make_certificates(directory: Path, client_cn: str) -> dict[str, str]:
 
 
 def tls_config(port: int, files: dict[str, str], *, require_client_cert: bool) -> str:
+    """The node's TLS listener, with ``files`` (in ``node_tmp_path``) as the node sees them."""
     return f"""
 listeners.ssl.default = 127.0.0.1:{port}
-ssl_options.cacertfile = {files["ca.pem"]}
-ssl_options.certfile = {files["server.pem"]}
-ssl_options.keyfile = {files["server.key"]}
+ssl_options.cacertfile = {seen_by_nodes(files["ca.pem"])}
+ssl_options.certfile = {seen_by_nodes(files["server.pem"])}
+ssl_options.keyfile = {seen_by_nodes(files["server.key"])}
 ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = {"true" if require_client_cert else "false"}
 """
 
 
-async def test_tls_with_plain_login(start_private_broker: StartBroker, tmp_path: Path) -> None:
+async def test_tls_with_plain_login(start_private_broker: StartBroker, node_tmp_path: Path) -> None:
     """A TLS listener that does not require client certificates: ``amqps://`` with
     ``cafile`` logs in with PLAIN over TLS (list_connections says ssl); without the CA
     the certificate check fails with an SSL error (through ``Connector``: "TLS
     handshake failed", the password masked); ``no_verify_ssl=1`` connects without it;
     ``auth=external`` where the broker does not offer it names what it offers."""
-    files = make_certificates(tmp_path, "nobody")
+    files = make_certificates(node_tmp_path, "nobody")
     port = free_port()
     node = await start_private_broker(tls_config(port, files, require_client_cert=False))
     await node.rabbitmqctl("add_user", "tls-user", "tls-secret")
@@ -198,24 +199,25 @@ async def test_tls_with_plain_login(start_private_broker: StartBroker, tmp_path:
 
 def require_ssl_plugin() -> None:
     """The EXTERNAL mechanism's plugin ships with RabbitMQ; fail (CI) or skip without it."""
-    bin_dir = rabbitmq_bin_dir()
-    lib = (bin_dir.parent if bin_dir else Path(DEBIAN_BIN_DIR).parent) / "lib"
-    if any(lib.glob(f"rabbitmq_server-*/plugins/{SSL_PLUGIN}-*")):
+    plugins = require_rabbitmq().lib_dir / "plugins"
+    if any(plugins.glob(f"{SSL_PLUGIN}-*")):
         return
-    reason = f"the {SSL_PLUGIN} plugin is not installed under {lib}"
+    reason = f"the {SSL_PLUGIN} plugin is not installed under {plugins}"
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; CI must run this test", pytrace=False)
     pytest.skip(reason)
 
 
-async def test_tls_with_external_login(start_private_broker: StartBroker, tmp_path: Path) -> None:
+async def test_tls_with_external_login(
+    start_private_broker: StartBroker, node_tmp_path: Path
+) -> None:
     """``auth=external``: a node with ``rabbitmq_auth_mechanism_ssl``, EXTERNAL and
     PLAIN offered, ``ssl_cert_login_from = common_name`` and client certificates
     required. A client certificate whose CN is a user without a password logs in as
     that user with EXTERNAL; without a client certificate the TLS handshake fails with
     the broker's reason (an SSLError; through ``Connector``: "TLS handshake failed")."""
     require_ssl_plugin()
-    files = make_certificates(tmp_path, EXTERNAL_USER)
+    files = make_certificates(node_tmp_path, EXTERNAL_USER)
     port = free_port()
     config = tls_config(port, files, require_client_cert=True) + (
         "auth_mechanisms.1 = EXTERNAL\nauth_mechanisms.2 = PLAIN\n"

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import os
+import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aio_pika
 import pytest
-from broker import PrivateBroker
+from broker import PrivateBroker, require_rabbitmq
 from support import message_count
+
+from hopsched.localbroker import private_cluster, private_node
 
 #: The fault tests' machinery: in the slow tier with them (the demo's tests start a node too).
 pytestmark = pytest.mark.slow
@@ -56,3 +63,72 @@ async def test_extra_config_reaches_the_node(
     listeners = await node.rabbitmqctl("eval", "rabbit_networking:active_listeners().")
     assert f"port = {node.port}" in listeners or str(node.port) in listeners
     assert "5672," not in listeners
+
+
+async def test_the_node_runs_the_chosen_installation_in_its_own_directory(
+    private_broker: PrivateBroker,
+) -> None:
+    """``HOPSCHED_RABBITMQ_ROOT`` picks the installation (a chroot's RabbitMQ 4.0.5, say);
+    the node's data lives in its directory, as the node's processes see it."""
+    status = json.loads(await private_broker.rabbitmqctl("status", "--formatter", "json"))
+
+    installation = private_broker.installation
+    assert status["rabbitmq_version"] == installation.version
+    data = installation.host_path(Path(status["data_directory"]))
+    assert data.is_relative_to(private_broker.root)
+    print(f"\nnode {private_broker.node}: RabbitMQ {installation.version} ({installation})")
+
+
+def is_gone(node: PrivateBroker) -> bool:
+    """Whether the node has no process left and its directory is removed."""
+    return not node.is_running and not node.root.exists()
+
+
+async def test_a_node_and_its_directory_are_gone_after_a_failing_body() -> None:
+    installation = require_rabbitmq()
+    seen: list[PrivateBroker] = []
+
+    async def failing_test() -> None:
+        async with private_node(installation=installation) as node:
+            seen.append(node)
+            raise RuntimeError("the test failed")
+
+    with pytest.raises(RuntimeError, match="the test failed"):
+        await failing_test()
+
+    [node] = seen
+    assert node.pid is not None
+    assert is_gone(node)
+
+
+async def test_a_frozen_node_answers_again_after_sigcont(private_broker: PrivateBroker) -> None:
+    assert private_broker.pid is not None
+    os.kill(private_broker.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises((TimeoutError, aio_pika.exceptions.AMQPConnectionError)):
+            await asyncio.wait_for(aio_pika.connect(private_broker.url), 3)
+    finally:
+        os.kill(private_broker.pid, signal.SIGCONT)
+    connection = await asyncio.wait_for(aio_pika.connect(private_broker.url), 30)
+    await connection.close()
+
+
+async def test_a_cluster_forms_and_from_4_0_moves_to_khepri() -> None:
+    """Two nodes with one cookie join (``join_cluster``); on RabbitMQ >= 4.0 the cluster
+    then enables ``khepri_db``, and both nodes keep their metadata there."""
+    installation = require_rabbitmq()
+    on_4 = int(installation.version.split(".")[0]) >= 4
+    async with private_cluster(2, khepri=on_4, installation=installation) as cluster:
+        first, second = cluster.nodes
+        status = json.loads(await second.rabbitmqctl("cluster_status", "--formatter", "json"))
+        assert sorted(status["running_nodes"]) == sorted([first.node, second.node])
+        stores = {await node.metadata_store() for node in cluster.nodes}
+        assert stores == ({"khepri"} if on_4 else {"mnesia"})
+        connection = await aio_pika.connect(second.url)
+        channel = await connection.channel()
+        await channel.declare_queue(
+            "replicated", durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        await connection.close()
+        assert "replicated" in await first.rabbitmqctl("list_queues", "-q", "name")
+    assert all(is_gone(node) for node in cluster.nodes)

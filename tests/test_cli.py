@@ -160,7 +160,9 @@ async def test_cancel_or_reschedule_for_a_prefix_with_nothing_scheduled_is_refus
 
 
 @pytest.mark.parametrize("page", ["operations.md", "security.md"])
-async def test_the_permissions_example_in_the_docs_is_what_the_command_prints(page: str) -> None:
+async def test_the_permissions_example_in_the_docs_is_what_the_command_prints(
+    page: str, broker_url: str
+) -> None:
     """docs/operations.md and docs/security.md show `hopsched permissions` runs; they must
     not drift from the command (a new-user trial found one without the cancel stream)."""
     docs = (Path(__file__).parent.parent / "docs" / page).read_text()
@@ -168,9 +170,7 @@ async def test_the_permissions_example_in_the_docs_is_what_the_command_prints(pa
     assert example is not None
     command, printed = example.groups()
 
-    status, out, err = await hopsched_cli(
-        *shlex.split(command)[1:], "--url", "amqp://guest:guest@127.0.0.1:5672/"
-    )
+    status, out, err = await hopsched_cli(*shlex.split(command)[1:], "--url", broker_url)
 
     assert status == 0, err
     assert out == printed
@@ -215,7 +215,9 @@ async def test_relay_exits_0_on_sigterm(settings: hopsched.Settings, log_format:
         assert "guest:guest" not in json.dumps(records)
 
 
-async def test_demo_runs_end_to_end(settings: hopsched.Settings) -> None:
+async def test_demo_runs_end_to_end_and_removes_the_ladder_it_declared(
+    settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
+) -> None:
     status, out, err = await hopsched_cli(
         "demo", "--count", "30", "--max-delay", "1s", "--prefix", settings.prefix, within=120
     )
@@ -232,6 +234,9 @@ async def test_demo_runs_end_to_end(settings: hopsched.Settings) -> None:
         "0",
         "0",
     )
+    assert f"removed the demo's ladder {settings.prefix} (33 objects)" in err
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+        await (await amqp.channel()).declare_queue(f"{settings.prefix}.relay", passive=True)
 
 
 @pytest.mark.parametrize("delay", ["0", "-5s"])
@@ -441,8 +446,9 @@ def demo_rows(out: str) -> dict[str, str]:
 
 
 def node_is_gone(root: str) -> bool:
-    """Whether the private node of directory ``root`` has no process and no directory."""
-    marker = f"-home\0{root}/home\0".encode()
+    """Whether the private node of directory ``root`` has no process and no directory
+    (its processes see the directory by another path when they run in a chroot)."""
+    marker = f"/{Path(root).name}/home\0".encode()
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():

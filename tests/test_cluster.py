@@ -20,7 +20,7 @@ import aiormq
 import aiormq.abc
 import pytest
 import pytest_asyncio
-from broker import require_rabbitmq
+from broker import khepri, require_rabbitmq
 from support import Collector, hopsched_cli
 
 import hopsched
@@ -51,9 +51,11 @@ class Memory:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster() -> AsyncIterator[PrivateCluster]:
-    bin_dir = require_rabbitmq()
+    installation = require_rabbitmq()
     started = time.monotonic()
-    async with private_cluster(3, management=True, bin_dir=bin_dir) as formed:
+    async with private_cluster(
+        3, management=True, khepri=khepri(), installation=installation
+    ) as formed:
         print(f"\ncluster of 3 formed in {time.monotonic() - started:.0f} s")
         memory = Memory(formed)
         yield formed

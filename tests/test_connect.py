@@ -246,10 +246,10 @@ async def test_a_scheduler_on_a_node_declares_there_not_on_a_silent_first_url(
     assert asyncio.get_running_loop().time() - started < hopsched.connect.CONNECT_TIMEOUT_S / 2
 
 
-async def test_wait_consuming_raises_the_error_that_ended_the_relay() -> None:
+async def test_wait_consuming_raises_the_error_that_ended_the_relay(broker_url: str) -> None:
     """Found by a new-user trial: with a wrong password run() failed and
     wait_consuming() waited for ever (the example hung)."""
-    relay = hopsched.Relay(hopsched.Settings(url=f"amqp://guest:{PASSWORD}@127.0.0.1:5672/"))
+    relay = hopsched.Relay(hopsched.Settings(url=with_login(broker_url, "guest", PASSWORD)))
     running = asyncio.create_task(relay.run())
 
     with pytest.raises(hopsched.BrokerUnavailableError, match="login refused"):

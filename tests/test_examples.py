@@ -7,6 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+import aio_pika
+import aiormq
+import pytest
 from support import Cleanup
 
 import hopsched
@@ -14,8 +17,8 @@ import hopsched
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-async def test_the_order_timeout_example_delivers_its_message(
-    broker_url: str, cleanup: Cleanup
+async def test_the_order_timeout_example_delivers_its_message_and_leaves_nothing(
+    broker_url: str, cleanup: Cleanup, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
     cleanup.topology(hopsched.Settings(url=broker_url, prefix="hopsched-example"))
     process = await asyncio.create_subprocess_exec(
@@ -32,3 +35,5 @@ async def test_the_order_timeout_example_delivers_its_message(
     assert lines[0].startswith("scheduled ")
     assert lines[1].startswith("received b'{\"order\": 42}'")
     assert lines[0].split()[1] in lines[1]  # the same schedule id
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):  # its ladder is gone
+        await (await amqp.channel()).declare_queue("hopsched-example.relay", passive=True)

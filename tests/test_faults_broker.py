@@ -281,10 +281,11 @@ async def test_F25_a_frozen_broker_gives_a_timeout_error_and_the_relay_recovers(
 async def test_a_publish_the_broker_refuses_fails_alone_among_concurrent_ones(
     start_private_broker: StartBroker, prefix: str, relays: Relays
 ) -> None:
-    """A body over the broker's ``max_message_size`` makes it close the channel (406)
-    with every other publish in flight on it. The Publisher sends the publishes that were
-    in flight again one at a time: the big one alone fails (TargetRefused, the broker's
-    reason), the 20 others are scheduled and delivered."""
+    """A body over the broker's ``max_message_size`` (here lower than
+    ``Settings.max_message_size``) makes it close the channel (406) with every other
+    publish in flight on it. The Publisher sends the publishes that were in flight again
+    one at a time: the big one alone fails (InvalidScheduleError naming both sizes and
+    the broker's reason), the 20 others are scheduled and delivered."""
     node = await start_private_broker(config="max_message_size = 4096")
     settings = node_settings(node, prefix)
     await relays.start(settings)
@@ -300,7 +301,8 @@ async def test_a_publish_the_broker_refuses_fails_alone_among_concurrent_ones(
         results = await asyncio.gather(*(one(i) for i in range(21)), return_exceptions=True)
     big = results.pop(5)
     print(f"\nrefused alone: {big!r}")
-    assert isinstance(big, hopsched.TargetRefused)
+    assert isinstance(big, hopsched.InvalidScheduleError)
+    assert "its body (10000 bytes) is larger than the broker's max_message_size (4096" in str(big)
     assert "406" in str(big)
     ok = [r for r in results if isinstance(r, hopsched.Scheduled)]
     assert len(ok) == 20, results

@@ -166,7 +166,7 @@ async def test_check_target_without_the_management_api_says_it_cannot_tell(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[PrivateBroker]:
-    async with private_cluster(1, management=True, bin_dir=require_rabbitmq()) as cluster:
+    async with private_cluster(1, management=True, installation=require_rabbitmq()) as cluster:
         yield cluster.nodes[0]
 
 

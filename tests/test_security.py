@@ -28,7 +28,7 @@ from urllib.parse import quote, urlencode
 import aio_pika
 import aiormq
 import pytest
-from broker import PrivateBroker
+from broker import PrivateBroker, seen_by_nodes
 from prometheus_client import CollectorRegistry, generate_latest
 from support import Collector, Relays, Targets, hopsched_cli, wait_until_count
 
@@ -226,11 +226,12 @@ ssl_options.fail_if_no_peer_cert = true
 
 
 async def test_amqps_with_tls_options_passes_through_to_aio_pika(
-    start_private_broker: Any, tmp_path: Path
+    start_private_broker: Any, node_tmp_path: Path
 ) -> None:
-    certificates = make_certificates(tmp_path)
+    certificates = make_certificates(node_tmp_path)
     port = free_port()
-    broker: PrivateBroker = await start_private_broker(TLS_CONFIG.format(port=port, **certificates))
+    seen = {name: seen_by_nodes(path) for name, path in certificates.items()}
+    broker: PrivateBroker = await start_private_broker(TLS_CONFIG.format(port=port, **seen))
     await broker.rabbitmqctl("add_user", "app", SECRET)
     await broker.rabbitmqctl("set_permissions", "app", ".*", ".*", ".*")
     base = f"amqps://app:{quote(SECRET, safe='')}@127.0.0.1:{port}/"

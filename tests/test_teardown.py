@@ -71,8 +71,7 @@ async def test_F31_teardown_under_a_running_relay_counts_what_the_relay_held() -
     """A relay holds 20 messages (due in 25 s, within its 30 s hold window) and 20 more
     wait in a step: ``teardown --force`` names both counts (main printed neither the 20
     held, which ``queue.delete-ok`` does not count)."""
-    bin_dir = require_rabbitmq()
-    async with private_cluster(1, management=True, bin_dir=bin_dir) as cluster:
+    async with private_cluster(1, management=True, installation=require_rabbitmq()) as cluster:
         node = cluster.nodes[0]
         assert node.management_url is not None
         settings = hopsched.Settings(url=node.url, prefix="f31", hold_window_ms=30_000)
