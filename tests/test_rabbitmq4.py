@@ -114,12 +114,12 @@ async def test_a_body_over_max_message_size_is_refused_before_anything_is_sent(
     default). ``schedule()`` refuses it first, with the size, the limit and the fix; the
     Scheduler goes on with the next call."""
     settings = make_settings(max_message_size=1000)
-    async with hopsched.Scheduler(settings) as scheduler:
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
         with pytest.raises(hopsched.InvalidScheduleError, match="1001 bytes, over max_mes"):
             await scheduler.schedule(b"x" * 1001, delay=600, routing_key="nowhere")
         kept = await scheduler.schedule(b"x" * 1000, delay=600, routing_key="nowhere")
         with pytest.raises(hopsched.InvalidScheduleError, match="16777217 bytes"):
-            async with hopsched.Scheduler(make_settings()) as default:
+            async with hopsched.Scheduler(make_settings(), declare=True) as default:
                 await default.schedule(b"x" * (16 * 2**20 + 1), delay=600, routing_key="n")
     await wait_until_count(amqp, kept.first_queue, 1, within=10)
 
