@@ -32,6 +32,8 @@ from hopsched.errors import (
 from hopsched.logs import LogFormat, configure_logging
 from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowledged
 from hopsched.parked import ParkedListing, list_parked, replay_parked
+from hopsched.policies import PROTECT_PRIORITY
+from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
 from hopsched.prepare import due_time_us
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
@@ -522,10 +524,15 @@ def status(
         tuple[dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str],
         _run(go()),
     )
-    _show_status(settings, topology, depths, nodes, as_json, records)
+    checked = _check_policies(settings, management_url)
+    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json())
+    if not as_json:
+        _echo_policies(checked)
     problems = _status_problems(settings, topology, depths)
     if mismatch is not None:
         problems.insert(0, mismatch)
+    if (risk := _policy_risk(checked)) is not None:
+        problems.append(risk)
     if problems:
         raise _Failure("; ".join(problems))
 
@@ -597,6 +604,7 @@ def _show_status(
     nodes: RelayNodes | None,
     as_json: bool,
     records: RecordTally | str,
+    policies: dict[str, Any],
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
@@ -614,6 +622,7 @@ def _show_status(
         if nodes is not None:
             shown["nodes"] = {name: dataclasses.asdict(view) for name, view in nodes.nodes.items()}
             shown["nodes_unavailable"] = nodes.unavailable
+        shown["policies"] = policies
         click.echo(json.dumps(shown, indent=2))
         return
     click.echo(f"{settings.masked_url} prefix {settings.prefix}")
@@ -702,6 +711,10 @@ def teardown(
         f"{len(done.missing)} did not exist; {lost} ready message(s) deleted"
         + (f", {held_total} held by consumers" if done.consumers else "")
     )
+    if management_url:
+        settings = dataclasses.replace(settings, management_url=management_url)
+    for name in _run(_unprotect_quietly(settings)):
+        click.echo(f"removed policy {name}")
 
 
 @main.command()
@@ -780,6 +793,137 @@ _ROLE_DOES: dict[Role, str] = {
     "relay": "hopsched relay",
     "operator": "declare, status, teardown, upgrade, parked list/replay, cancel, reschedule",
 }
+
+
+def _check_policies(settings: Settings, management_url: str | None) -> PolicyCheck:
+    if management_url:
+        settings = dataclasses.replace(settings, management_url=management_url)
+    checked: PolicyCheck = _run(check_policies(settings))
+    return checked
+
+
+def _echo_policies(checked: PolicyCheck) -> None:
+    for line in checked.lines():
+        click.echo(line)
+
+
+def _policy_risk(checked: PolicyCheck) -> str | None:
+    """Why ``checked`` makes a command exit 1: a policy in force can lose or stall
+    messages; else None."""
+    report = checked.report
+    if report is None or not report.at_risk:
+        return None
+    return (
+        f"{len(report.findings)} finding(s) on the policies in force: messages can be lost "
+        f"or stalled; the worst: {report.findings[0].line()}"
+    )
+
+
+async def _unprotect_quietly(settings: Settings) -> list[str]:
+    """Remove the protective policies after a teardown, if the API lets us."""
+    try:
+        return await unprotect(settings)
+    except HopschedError:
+        return []
+
+
+_MANAGEMENT_URL = click.option(
+    "--management-url",
+    help="Management API base URL(s), comma-separated [HOPSCHED_MANAGEMENT_URL; default "
+    "http://HOST:15672/ per URL].",
+)
+
+
+@main.group()
+def policies() -> None:
+    """The broker's policies on the prefix's queues: check them, keep user policies off.
+
+    \b
+    A user policy (rabbitmqctl set_policy) or an operator policy matching the prefix's
+    queues can delete them (expires), drop their messages (max-length, message-ttl on
+    the parking queue) or turn off at-least-once dead-lettering (overflow drop-head).
+    `protect` sets hopsched's own policies, of higher priority, that keep every other
+    user policy off them; an operator policy cannot be masked: `check` prints the
+    rabbitmqctl command that excludes the prefix from it (docs/operations.md, "Policies").
+    """
+
+
+@policies.command("check")
+@_connection_options
+@_MANAGEMENT_URL
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def policies_check(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    management_url: str | None,
+    as_json: bool,
+) -> None:
+    """What the policies in force do to the prefix's queues, each with its fix. Exits 1
+    if one can lose or stall messages, or if the management API cannot tell."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    checked = _check_policies(settings, management_url)
+    if as_json:
+        click.echo(json.dumps(checked.as_json(), indent=2))
+    else:
+        _echo_policies(checked)
+    if checked.report is None:
+        raise _Failure(f"cannot read the policies in force: {checked.unavailable}")
+    if (risk := _policy_risk(checked)) is not None:
+        raise _Failure(risk)
+
+
+@policies.command("protect")
+@_connection_options
+@_MANAGEMENT_URL
+@click.option(
+    "--priority",
+    type=int,
+    default=PROTECT_PRIORITY,
+    show_default=True,
+    help="Priority of the protective policies: above every user policy matching the "
+    "prefix's queues.",
+)
+def policies_protect(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    management_url: str | None,
+    priority: int,
+) -> None:
+    """Set hopsched's protective policies on the prefix's queues (the user needs the tag
+    policymaker); without the right, print the rabbitmqctl commands and exit 1."""
+    settings = _settings(
+        url=url, prefix=prefix, queue_type=queue_type, management_url=management_url
+    )
+    done = _run(protect(settings, priority))
+    if done.error is not None:
+        click.echo("run these where you may set policies:")
+        for command in done.commands:
+            click.echo(f"  {command}")
+        raise _Failure(f"the protective policies were not set: {done.error}")
+    for policy in done.policies:
+        click.echo(
+            f"set policy {policy.name} (priority {policy.priority}) on {policy.pattern}: "
+            f"{json.dumps(dict(policy.definition))}"
+        )
+
+
+@policies.command("unprotect")
+@_connection_options
+@_MANAGEMENT_URL
+def policies_unprotect(
+    url: str | None, prefix: str | None, queue_type: str | None, management_url: str | None
+) -> None:
+    """Remove hopsched's protective policies from the prefix."""
+    settings = _settings(
+        url=url, prefix=prefix, queue_type=queue_type, management_url=management_url
+    )
+    removed = _run(unprotect(settings))
+    for name in removed:
+        click.echo(f"removed policy {name}")
+    if not removed:
+        click.echo(f"no protective policy on prefix {settings.prefix}")
 
 
 @main.group()

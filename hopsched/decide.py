@@ -2,11 +2,15 @@
 Pure: no I/O; the clock comes in as ``now_us``.
 
 ``Decider.decide`` turns a delivery's headers into ``Park(reason)``, ``Cancel`` (its
-schedule was cancelled) or ``Route(envelope, plan)``, the plan being the ladder's
-``Hop(step)`` or ``Hold(wait)`` (a reschedule has moved the envelope's due time). It
-checks the envelope's signature first (``hopsched.signing``) and parks a message whose
-target lies in hopsched's own namespace: the relay publishes into its own queues and
-stream only through its own code paths.
+schedule was cancelled), ``Route(envelope, plan)``, the plan being the ladder's
+``Hop(step)`` or ``Hold(wait)`` (a reschedule has moved the envelope's due time), or
+``Wait``: a step returned it early (``returned_early``: a policy's length limit pushed it
+out, a short ``message-ttl``, a consumer rejecting it), so hopping it again at once
+would bring it straight back, again and again (a hop storm); it waits until its hop
+would have ended (at most ``WAIT_MAX_US``), then is routed anew. It checks the
+envelope's signature first (``hopsched.signing``) and parks a message whose target lies
+in hopsched's own namespace: the relay publishes into its own queues and stream only
+through its own code paths.
 ``Decider.after_refusal`` answers a negative confirm on the final publish (a full
 target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
 once the refusals have lasted ``retry_for_us``.
@@ -21,7 +25,7 @@ from enum import StrEnum
 from typing import Any
 
 from hopsched.cancel import CANCEL, Cancellations
-from hopsched.envelope import Envelope
+from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK, Envelope
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
 from hopsched.signing import Refusal, Signatures
@@ -29,20 +33,33 @@ from hopsched.targets import TargetPolicy
 from hopsched.validate import check_expiration
 
 __all__ = [
+    "EARLY_TOLERANCE_US",
     "NOTICED",
     "RETRY_FIRST_MS",
     "RETRY_MAX_MS",
+    "STORM_FLOOR_US",
+    "WAIT_MAX_US",
     "Cancel",
     "Decider",
     "Park",
     "ParkKind",
     "Route",
+    "Wait",
+    "returned_early",
 ]
 
 #: The first wait before a refused final publish is tried again, ms; it doubles with
 #: each refusal up to ``RETRY_MAX_MS``.
 RETRY_FIRST_MS = 1024
 RETRY_MAX_MS = 32_768
+#: A hop arriving more than this (µs) before the end of its step's TTL came back early.
+EARLY_TOLERANCE_US = 100_000
+#: A hop that expired early but spent at least this long (µs) in its step is not a storm
+#: (a policy's ``message-ttl`` shorter than the step: it costs a hop per that TTL).
+STORM_FLOOR_US = 1_000_000
+#: The longest a delivery that came back early waits before it is routed again, µs:
+#: far below RabbitMQ's consumer_timeout (30 min by default).
+WAIT_MAX_US = 30_000_000
 
 
 class ParkKind(StrEnum):
@@ -61,6 +78,7 @@ class ParkKind(StrEnum):
     INTERNAL_TARGET = "internal_target"  # its target is one of hopsched's own objects
     UNSIGNED = "unsigned"  # no signature, and the relay requires one
     BAD_SIGNATURE = "bad_signature"  # its signature does not verify (forged, altered, unknown key)
+    RETURNED_EARLY = "returned_early"  # a step kept returning it early, the relay was full
 
 
 #: Parked kinds a relay notes in the cancel stream for ``hopsched status`` (a forgery,
@@ -93,6 +111,51 @@ class Route:
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    """A step returned it early: route it anew after ``wait_us`` µs (``decide`` with
+    ``rerouted=True``), not at once. ``queue`` is the step, ``reason`` says what came
+    back and why, for the log."""
+
+    envelope: Envelope
+    wait_us: int
+    queue: str
+    reason: str
+
+
+def returned_early(headers: Mapping[str, Any], now_us: int) -> tuple[str, str, int] | None:
+    """Whether a hop came back from its step early enough to come straight back if hopped
+    there again: ``(queue, x-death reason, µs early)``, or None.
+
+    Early: it arrived more than ``EARLY_TOLERANCE_US`` before the end of its step's TTL
+    (``x-hopsched-hop-expires``). Not every early return is a storm: the broker
+    dead-lettered it (its first ``x-death`` entry, https://www.rabbitmq.com/docs/dlx) for
+    a length limit (``maxlen``), a consumer's reject or a delivery limit, or it expired
+    (``expired``, a policy's shorter ``message-ttl``) less than ``STORM_FLOOR_US`` after
+    the relay published it. An expiry is judged only on the relay's own stamps: a
+    producer's clock may be off.
+    """
+    expires = headers.get(HEADER_HOP_EXPIRES)
+    deaths = headers.get("x-death")
+    if type(expires) is not int or not isinstance(deaths, list) or not deaths:
+        return None
+    early_us = expires - now_us
+    death = deaths[0]
+    if early_us <= EARLY_TOLERANCE_US or not isinstance(death, Mapping):
+        return None
+    queue, reason = str(death.get("queue", "?")), str(death.get("reason", "?"))
+    if reason == "expired":
+        if headers.get(HEADER_HOP_CLOCK) != RELAY_CLOCK:
+            return None
+        step = queue.rpartition(".")[2]
+        if not step.isdigit():
+            return None
+        spent_us = now_us - (expires - int(step) * US_PER_MS)
+        if spent_us >= STORM_FLOOR_US:
+            return None
+    return queue, reason, early_us
+
+
+@dataclass(frozen=True, slots=True)
 class Decider:
     """The relay's rules, for one ladder, login and allow list.
 
@@ -121,7 +184,8 @@ class Decider:
         margin_ms: int,
         body: bytes,
         cancellations: Cancellations | None = None,
-    ) -> Park | Cancel | Route:
+        rerouted: bool = False,
+    ) -> Park | Cancel | Route | Wait:
         """Park, hop or hold a delivery arriving at ``now_us`` (µs since the epoch).
 
         Args:
@@ -134,6 +198,8 @@ class Decider:
                 them held).
             margin_ms: the hop margin learnt from recent overshoot (``OvershootTracker``).
             cancellations: the cancels and reschedules read so far.
+            rerouted: the relay routes it anew (after a ``Wait``, a nacked hop, a
+                reschedule): an early return was dealt with already.
         """
         try:
             envelope = Envelope.from_headers(headers)
@@ -181,6 +247,20 @@ class Decider:
             plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms)
         if isinstance(plan, Hold) and not verified and (forged := self._forged(envelope, body)):
             return forged
+        early = None
+        if isinstance(plan, Hop) and not rerouted:
+            early = returned_early(headers or {}, now_us)
+        if early is not None:
+            queue, reason, early_us = early
+            came = f"{queue} returned it {early_us / 1_000_000:.1f} s early (x-death {reason})"
+            if crowded:
+                return Park(
+                    f"{came} and the relay holds all it can: a policy in force keeps the "
+                    "ladder from holding messages (`hopsched status` names it); replay "
+                    "it once that is fixed",
+                    ParkKind.RETURNED_EARLY,
+                )
+            return Wait(envelope, min(early_us, WAIT_MAX_US), queue, came)
         return Route(envelope, plan)
 
     def _forged(self, envelope: Envelope, body: bytes) -> Park | None:

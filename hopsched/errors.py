@@ -14,6 +14,7 @@ __all__ = [
     "HopschedError",
     "InvalidScheduleError",
     "InvalidSettingsError",
+    "ManagementAPIError",
     "MessageTooLargeError",
     "MetricsEndpointError",
     "PrefixNotDeclaredError",
@@ -119,6 +120,19 @@ class AccessRefusedError(HopschedError):
 class MetricsEndpointError(HopschedError, OSError):
     """The metrics endpoint cannot listen (its port is in use, or the address is not
     this machine's); the message names the port and how to fix it."""
+
+
+class ManagementAPIError(HopschedError):
+    """RabbitMQ's management HTTP API did not answer, or refused (``hopsched.management``).
+
+    Attributes:
+        status: the last HTTP status received (401/403: the user lacks the tag; 404: no
+            such object), None if no base URL answered at all.
+    """
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 class BrokerUnavailableError(HopschedError, ConnectionError):

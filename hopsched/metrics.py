@@ -76,6 +76,12 @@ _COUNTERS = (
         "can be turned on.",
     ),
     ("hopsched_reconnects", "reconnects", "Connections to the broker opened after the first."),
+    (
+        "hopsched_returned_early",
+        "returned_early",
+        "Hops a step returned early (a policy's length limit, a short message-ttl), which "
+        "waited instead of hopping again at once.",
+    ),
 )
 #: ``hopsched_records_refused_total``'s reasons, every one exported (0 until it happens).
 _REFUSED_REASONS = ("unsigned", "bad_signature", "relayed")
@@ -142,6 +148,20 @@ class RelayCollector(Collector):
             "hopsched_in_flight_publishes",
             "Publishes awaiting the broker's confirm (waiting ones included).",
             value=snapshot.in_flight,
+        )
+        risks = GaugeMetricFamily(
+            "hopsched_policy_risks",
+            "Findings of the policies in force on the prefix's queues, by what they risk "
+            "(label risk: loss, stall, hops); the relay logs each.",
+            labels=["risk"],
+        )
+        for risk, count in snapshot.policy_risks.items():
+            risks.add_metric([risk], count)
+        yield risks
+        yield GaugeMetricFamily(
+            "hopsched_policy_unchecked",
+            "1 while the relay cannot read the policies in force (no management API).",
+            value=snapshot.policy_unchecked,
         )
 
     def _snapshot(self) -> StatsSnapshot:

@@ -10,32 +10,23 @@ URLs are given; the first that answers serves, as every node reports the whole c
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote
 
-from hopsched.settings import Settings, mask_url
+from hopsched.errors import ManagementAPIError
+from hopsched.management import MANAGEMENT_PORT, ManagementClient, management_urls
+from hopsched.settings import Settings
 
 __all__ = [
     "MANAGEMENT_PORT",
     "NodeView",
     "RelayNodes",
-    "api_get",
     "management_urls",
     "relay_nodes",
     "unacknowledged",
-    "why",
 ]
-
-#: The management plugin's default HTTP port.
-MANAGEMENT_PORT = 15672
-_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -69,40 +60,23 @@ class RelayNodes:
     source: str | None = None
 
 
-def management_urls(settings: Settings, given: str | None = None) -> list[str]:
-    """The management API base URLs to try: ``given`` (comma-separated) if set, else
-    ``http://HOST:15672/`` for each host of ``settings.urls``, in that order."""
-    if given:
-        return [part.strip() for part in given.split(",") if part.strip()]
-    hosts = dict.fromkeys(urlsplit(url).hostname or "localhost" for url in settings.urls)
-    return [f"http://{_host(host)}:{MANAGEMENT_PORT}/" for host in hosts]
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 async def relay_nodes(settings: Settings, queue: str, urls: list[str]) -> RelayNodes:
     """Ask the management API at each of ``urls`` in turn about quorum queue ``queue``.
 
     Logs in with the user and password of ``settings``' first URL. Never raises for an
     API that cannot be reached or refuses: ``RelayNodes.unavailable`` says why.
     """
-    problems = []
-    for url in urls:
-        try:
-            found = await asyncio.to_thread(_get_queue, settings, url, queue)
-        except (OSError, ValueError) as error:  # URLError and HTTPError are OSErrors
-            problems.append(f"{mask_url(url)}: {why(error)}")
-            continue
-        return RelayNodes(nodes=_views(found), source=mask_url(url))
-    return RelayNodes(
-        unavailable=(
-            "per-node consumers need RabbitMQ's management plugin "
-            "(rabbitmq-plugins enable rabbitmq_management; or --management-url): "
-            + "; ".join(problems)
+    client = ManagementClient(settings, urls)
+    try:
+        found = await client.get(f"queues/{client.vhost}/{quote(queue, safe='')}")
+    except ManagementAPIError as error:
+        return RelayNodes(
+            unavailable=(
+                "per-node consumers need RabbitMQ's management plugin "
+                f"(rabbitmq-plugins enable rabbitmq_management; or --management-url): {error}"
+            )
         )
-    )
+    return RelayNodes(nodes=_views(found), source=client.source)
 
 
 async def unacknowledged(
@@ -116,65 +90,24 @@ async def unacknowledged(
     show ``consumers`` (each queue's consumer count, as AMQP reports it now) predate
     them and count as unknown. Never raises for an API that cannot be reached or
     refuses."""
-    problems = []
-    for url in urls:
-        try:
-            found = {
-                name: await asyncio.to_thread(_get_queue, settings, url, name) for name in consumers
-            }
-        except (OSError, ValueError) as error:
-            problems.append(f"{mask_url(url)}: {why(error)}")
-            continue
-        counts = {}
-        for name, queue in found.items():
-            count = queue.get("messages_unacknowledged")
-            if not isinstance(count, int) or queue.get("consumers") != consumers[name]:
-                return (
-                    f"the management API at {mask_url(url)} has no figures for {name} since "
-                    "its consumers came (RabbitMQ refreshes them every 5 s by default)"
-                )
-            counts[name] = count
-        return counts
-    return "the management API answers nowhere: " + "; ".join(problems)
-
-
-def _get_queue(settings: Settings, base: str, queue: str) -> dict[str, Any]:
-    found: dict[str, Any] = api_get(
-        settings, base, f"queues/{quote(settings.vhost, safe='')}/{quote(queue)}"
-    )
-    return found
-
-
-def api_get(settings: Settings, base: str, path: str) -> Any:
-    """The JSON at ``{base}api/{path}``, logged in with the user and password of
-    ``settings``' first URL (blocking: run it in a thread).
-
-    Raises:
-        OSError: the API cannot be reached or answers an error (``urllib.error.HTTPError``).
-        ValueError: the answer is not JSON.
-    """
-    parts = urlsplit(settings.urls[0])
-    user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
-    request = urllib.request.Request(f"{base.rstrip('/')}/api/{path}")
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
-        return json.load(response)
-
-
-def why(error: BaseException) -> str:
-    """What went wrong asking the management API, in a few words."""
-    if isinstance(error, urllib.error.HTTPError):
-        hint = ""
-        if error.code in (401, 403):
-            hint = (
-                " (the URL's user needs a management tag: rabbitmqctl set_user_tags USER "
-                "management)"
+    client = ManagementClient(settings, urls)
+    try:
+        found = {
+            name: await client.get(f"queues/{client.vhost}/{quote(name, safe='')}")
+            for name in consumers
+        }
+    except ManagementAPIError as error:
+        return f"the management API answers nowhere: {error}"
+    counts = {}
+    for name, queue in found.items():
+        count = queue.get("messages_unacknowledged")
+        if not isinstance(count, int) or queue.get("consumers") != consumers[name]:
+            return (
+                f"the management API at {client.source} has no figures for {name} since "
+                "its consumers came (RabbitMQ refreshes them every 5 s by default)"
             )
-        return f"HTTP {error.code} {error.reason}{hint}"
-    if isinstance(error, urllib.error.URLError):
-        return str(error.reason)
-    return str(error) or type(error).__name__
+        counts[name] = count
+    return counts
 
 
 def _views(found: dict[str, Any]) -> dict[str, NodeView]:

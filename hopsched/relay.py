@@ -30,7 +30,7 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
-from hopsched.decide import NOTICED, Cancel, Decider, Park, ParkKind
+from hopsched.decide import NOTICED, Cancel, Decider, Park, ParkKind, Wait
 from hopsched.envelope import (
     HEADER_EXCHANGE,
     HEADER_HOP_CLOCK,
@@ -49,6 +49,7 @@ from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, Channe
 from hopsched.holds import Holds
 from hopsched.ladder import US_PER_MS, Hop
 from hopsched.overshoot import OvershootTracker
+from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.settings import Settings
 from hopsched.stats import RelayStats
@@ -219,6 +220,7 @@ class Relay:
 
     async def _run(self) -> None:
         reporter = asyncio.create_task(self._report_periodically())
+        watcher = asyncio.create_task(self._watch_policies())
         connections: AsyncIterator[amqp.Connection] = aiter(self._connector)
         served = 0
         delay = RECONNECT_FIRST_S  # before trying again a session that never consumed
@@ -248,9 +250,16 @@ class Relay:
                     await connection.close(timeout_s=self._time_left(1.0))
         finally:
             reporter.cancel()
+            watcher.cancel()
             if served:
                 self._report()
                 log.info("relay stopped")
+
+    async def _watch_policies(self) -> None:
+        """The policies in force (``hopsched.policy_watch``), once the relay consumes (a
+        refused login is said once, by ``run()``)."""
+        await self._consuming.wait()
+        await PolicyWatch(self.settings, self.stats).run()
 
     async def _unless_stopping(self, work: Awaitable[Any]) -> Any:
         """``await work``, unless ``stop()`` comes first: then cancel it and return None."""
@@ -323,6 +332,7 @@ class _Session:
         self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
         self.held_by_id: dict[str, list[_Final]] = {}
         self._redeclaring: dict[str, asyncio.Future[None]] = {}
+        self.waiting = 0  # deliveries that came back early, waiting to be routed anew
 
     async def _declare(self, names: list[str] | None = None) -> None:
         """Declare the topology (or ``names``) on the node this session is on, if it
@@ -435,13 +445,18 @@ class _Session:
             headers,
             properties.user_id,
             now,
-            crowded=len(self.holds) >= self.held_limit or self.held_bytes >= self.held_bytes_limit,
+            crowded=len(self.holds) + self.waiting >= self.held_limit
+            or self.held_bytes >= self.held_bytes_limit,
             margin_ms=self.relay.overshoot.margin_ms(
                 now, floor_ms=ladder.hop_margin_ms, cap_ms=ladder.hold_window_ms
             ),
             body=delivery.body,
             cancellations=self.relay.cancellations,
+            rerouted=bool(nacks or again),
         )
+        if isinstance(decision, Wait):
+            self._wait(delivery, decision)
+            return
         if isinstance(decision, Park):
             self._park(delivery, decision)
             return
@@ -627,6 +642,23 @@ class _Session:
 
         asyncio.get_running_loop().call_later(
             wait_s, functools.partial(self._guarded_call, delivery, again)
+        )
+
+    def _wait(self, delivery: amqp.Delivery, wait: Wait) -> None:
+        """A step returned it early (a policy limits the ladder): route it anew after the
+        wait, not at once, which would bring it straight back (a hop storm)."""
+        self.stats.record_returned_early()
+        self.waiting += 1
+        if self.stats.first_problem(wait.queue, "returned early: waiting to hop it again"):
+            log.warning("%s; waiting %.1f s to route it again", wait.reason, wait.wait_us / 1e6)
+
+        def again() -> None:
+            self.waiting -= 1
+            if not self.connection.closed.done():  # else unacked: delivered again
+                self._route(delivery, again=True)
+
+        asyncio.get_running_loop().call_later(
+            wait.wait_us / 1_000_000, functools.partial(self._guarded_call, delivery, again)
         )
 
     def _guarded_call(self, delivery: amqp.Delivery, work: Callable[[], None]) -> None:

@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 from hopsched.connect import connect
 from hopsched.errors import TargetCheckError, UnroutableTargetError
-from hopsched.nodes import api_get, management_urls, why
+from hopsched.management import api_get, management_urls, why
 from hopsched.settings import Settings, mask_url
 from hopsched.topology import exists
 

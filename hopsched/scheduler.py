@@ -34,6 +34,8 @@ from hopsched.errors import (
     TargetRefused,
     Unroutable,
 )
+from hopsched.policies import PolicyReport
+from hopsched.policy_watch import warn_on_risk
 from hopsched.prepare import (
     Checked,
     ScheduleRequest,
@@ -182,6 +184,11 @@ class Scheduler:
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
         self._stream_declared = False
+        self._policy_check: asyncio.Task[None] | None = None
+        #: What the policies in force do to the prefix's queues, as last read from the
+        #: management API (every 5 min; None before, or without the API); a finding that
+        #: can lose or stall messages is also logged as a WARNING.
+        self.policy_report: PolicyReport | None = None
 
     @property
     def node(self) -> str | None:
@@ -205,6 +212,9 @@ class Scheduler:
 
     async def close(self) -> None:
         """Close the connection (publishes already confirmed are safe on the broker)."""
+        check, self._policy_check = self._policy_check, None
+        if check is not None:
+            check.cancel()
         publisher, self._publisher = self._publisher, None
         if publisher is not None:
             await publisher.close()
@@ -228,6 +238,10 @@ class Scheduler:
         self._connecting = None
         if not attempt.cancelled() and attempt.exception() is None:
             self._publisher = attempt.result()
+            if self._policy_check is None:
+                self._policy_check = asyncio.ensure_future(
+                    warn_on_risk(self.settings, functools.partial(setattr, self, "policy_report"))
+                )
 
     async def _connect(self) -> Publisher:
         connection = await self._connector.connect()

@@ -232,6 +232,11 @@ class Settings:
         require_signatures: a relay parks unsigned envelopes and ignores unsigned records
             (False by default, so that a deployment can add keys to every process first);
             needs ``signing_keys``.
+        management_url: base URL(s) of RabbitMQ's management HTTP API, comma-separated
+            (``http://rabbit:15672/``), which tells the relay, ``status`` and the
+            Scheduler the policies in force (``hopsched.policy_watch``); empty (the
+            default): ``http://HOST:15672/`` for each node URL's host. The login is the
+            AMQP URL's.
         max_message_size: the largest body ``schedule()`` sends, bytes; a larger one is
             refused with ``InvalidScheduleError`` before anything is sent. 16,777,216
             (16 MiB): RabbitMQ 4.x's default ``max_message_size``, which the broker
@@ -259,6 +264,7 @@ class Settings:
     metrics_address: str = "127.0.0.1"
     signing_keys: tuple[SigningKey | str, ...] = ()
     require_signatures: bool = False
+    management_url: str = ""
     max_message_size: int = MAX_MESSAGE_SIZE
 
     def __post_init__(self) -> None:
@@ -312,6 +318,11 @@ class Settings:
             )
         if not self.metrics_address.strip():
             raise InvalidSettingsError("metrics_address '': give an address, e.g. 127.0.0.1")
+        for base in filter(None, (part.strip() for part in self.management_url.split(","))):
+            if not base.startswith(("http://", "https://")):
+                raise InvalidSettingsError(
+                    f"management_url {mask_url(base)!r}: must start with http:// or https://"
+                )
         self.ladder  # noqa: B018 - validates the ladder fields now, not at first use
         if isinstance(self.allowed_targets, str):  # one pattern is not its characters
             raise InvalidSettingsError(
@@ -327,7 +338,7 @@ class Settings:
 
     def __repr__(self) -> str:
         values = ", ".join(
-            f"{f.name}={self.masked_url if f.name == 'url' else getattr(self, f.name)!r}"
+            f"{f.name}={self.masked_url if f.name == 'url' else _masked(getattr(self, f.name))!r}"
             for f in fields(self)
         )
         return f"Settings({values})"
@@ -405,6 +416,10 @@ class Settings:
                 ) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _masked(value: object) -> object:
+    return mask_url(value) if isinstance(value, str) and "://" in value else value
 
 
 def _flag(name: str, value: object) -> bool:

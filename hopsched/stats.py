@@ -32,6 +32,7 @@ __all__ = [
     "StatsSnapshot",
 ]
 
+_RISKS = ("loss", "stall", "hops")  # hopsched.policies.Risk, without importing it
 _HIGHEST_US = 7 * 24 * 3600 * 1_000_000  # a week; larger values are clamped to it
 
 #: A message reaching the relay more than this after its due time (µs) was overdue on
@@ -167,6 +168,12 @@ class RelayStats:
         reconnects: connections opened after the first.
         hop_nacks: hops the broker nacked (a quorum leader election, a node down) and
             the relay tried again after a back-off.
+        returned_early: hops a step returned early enough to come straight back if
+            hopped again (``hopsched.decide.returned_early``), which waited instead.
+        policy_risks: findings of the policies in force, per ``hopsched.policies.Risk``
+            value (``loss``, ``stall``, ``hops``), now (set by ``PolicyWatch``).
+        policy_unchecked: 1 while the relay cannot read the policies in force (no
+            management API), else 0.
         lateness: final publish confirmed - due time, µs, for messages on time.
         overshoot: arrival of a hop - the instant its step's TTL ran out, µs (hops
             stamped by a relay only).
@@ -190,6 +197,9 @@ class RelayStats:
     unsigned: int = 0
     reconnects: int = 0
     hop_nacks: int = 0
+    returned_early: int = 0
+    policy_risks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_RISKS, 0))
+    policy_unchecked: int = 0
     parked_by_kind: dict[ParkKind, int] = field(default_factory=lambda: dict.fromkeys(ParkKind, 0))
     lateness: LatenessStats = field(default_factory=LatenessStats)
     overshoot: LatenessStats = field(default_factory=LatenessStats)
@@ -234,6 +244,9 @@ class RelayStats:
         self._interval.parked += 1
         self.parked_by_kind[kind] += 1
 
+    def record_returned_early(self) -> None:
+        self.returned_early += 1
+
     def record_cancelled(self) -> None:
         self.cancelled += 1
         self._interval.cancelled += 1
@@ -277,7 +290,7 @@ class RelayStats:
             f"lateness {now.lateness.summary()}, hop overshoot {now.overshoot.summary()}; "
             f"since start: delivered={totals.delivered} hops={totals.hops} "
             f"parked={totals.parked} reconnects={totals.reconnects} "
-            f"hop_nacks={totals.hop_nacks}"
+            f"hop_nacks={totals.hop_nacks} returned_early={totals.returned_early}"
         ]
         lines += [
             f"{count} messages for {target}: {problem}"
@@ -308,6 +321,7 @@ class RelayStats:
                 "cancel_records": self.records,
                 "unsigned_envelopes": self.unsigned,
                 "reconnects": self.reconnects,
+                "returned_early": self.returned_early,
             },
             parked_by_kind=dict(self.parked_by_kind),
             records_refused=dict(self.record_tally.refused),
@@ -315,6 +329,8 @@ class RelayStats:
             overshoot=(self.overshoot_buckets.cumulative(), self.overshoot_buckets.sum_us),
             held=self.held_now(),
             in_flight=self.in_flight_now(),
+            policy_risks=dict(self.policy_risks),
+            policy_unchecked=self.policy_unchecked,
         )
 
 
@@ -325,12 +341,13 @@ class StatsSnapshot:
     Attributes:
         counters: name -> count since the relay started (``delivered``, ``overdue``,
             ``hops``, ``retries``, ``cancelled``, ``rejected``, ``cancel_records``,
-            ``unsigned_envelopes``, ``reconnects``; see ``RelayStats``).
+            ``unsigned_envelopes``, ``reconnects``, ``returned_early``; see ``RelayStats``).
         parked_by_kind: messages parked per ``ParkKind``, every kind present.
         records_refused: records ignored per reason (``RecordTally.refused``).
         lateness, overshoot: cumulative counts per ``BUCKET_BOUNDS_US`` bound then the
             total (``Buckets.cumulative``), and the sum of the values, µs.
         held, in_flight: messages held until due, and publishes awaiting their confirm.
+        policy_risks, policy_unchecked: as ``RelayStats``'s.
     """
 
     counters: Mapping[str, int]
@@ -340,3 +357,5 @@ class StatsSnapshot:
     overshoot: tuple[list[int], int]
     held: int
     in_flight: int
+    policy_risks: Mapping[str, int] = field(default_factory=dict)
+    policy_unchecked: int = 0

@@ -11,8 +11,27 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hopsched.cancel import CANCEL, RESCHEDULE, Cancellations, Record
-from hopsched.decide import RETRY_FIRST_MS, RETRY_MAX_MS, Cancel, Decider, Park, Route
-from hopsched.envelope import HEADER_DUE, HEADER_EXPIRATION, HEADER_VERSION, Envelope
+from hopsched.decide import (
+    EARLY_TOLERANCE_US,
+    RETRY_FIRST_MS,
+    RETRY_MAX_MS,
+    STORM_FLOOR_US,
+    WAIT_MAX_US,
+    Cancel,
+    Decider,
+    Park,
+    Route,
+    Wait,
+)
+from hopsched.envelope import (
+    HEADER_DUE,
+    HEADER_EXPIRATION,
+    HEADER_HOP_CLOCK,
+    HEADER_HOP_EXPIRES,
+    HEADER_VERSION,
+    RELAY_CLOCK,
+    Envelope,
+)
 from hopsched.ladder import Hold, Hop, Ladder
 from hopsched.signing import Signatures, SigningKey
 from hopsched.targets import TargetPolicy
@@ -39,7 +58,8 @@ def decide(
     decider: Decider = DECIDER,
     body: bytes = b"",
     cancellations: Cancellations | None = None,
-) -> Park | Cancel | Route:
+    rerouted: bool = False,
+) -> Park | Cancel | Route | Wait:
     return decider.decide(
         values,
         user_id,
@@ -48,6 +68,7 @@ def decide(
         margin_ms=margin_ms,
         body=body,
         cancellations=cancellations,
+        rerouted=rerouted,
     )
 
 
@@ -174,6 +195,107 @@ def test_refusals_lasting_the_retry_budget_park_the_message(since_s: float) -> N
     assert isinstance(decision, Park)
     assert decision.kind == "retries_exhausted"
     assert decision.reason.startswith("the queue is full; refused 13 times over")
+
+
+# --- a hop that comes back early (a policy limits its step) ---------------------------------
+
+STEP = 4_194_304  # ms: the step a message due in 2 h hops into
+
+
+def returned(
+    early_us: int,
+    reason: str = "maxlen",
+    *,
+    step_ms: int = STEP,
+    clock: str = RELAY_CLOCK,
+    due_in_us: int = 7200 * S,
+) -> dict[str, Any]:
+    """A hop of ``step_ms`` back ``early_us`` before its TTL's end, dead-lettered for
+    ``reason`` (the broker's x-death entry)."""
+    death = {"queue": f"p.step.{step_ms}", "reason": reason, "count": 1, "exchange": ""}
+    return headers(
+        due_in_us,
+        **{HEADER_HOP_EXPIRES: NOW + early_us, HEADER_HOP_CLOCK: clock, "x-death": [death]},
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "wait_us"),
+    [
+        # pushed out of a full step (max-length + drop-head): straight back if hopped again
+        (returned(10 * S), 10 * S),  # waits until its hop would have ended
+        (returned(3600 * S), WAIT_MAX_US),  # ... at most WAIT_MAX_US
+        (returned(10 * S, clock="host/42"), 10 * S),  # maxlen needs no clock: a producer's
+        (returned(10 * S, "rejected"), 10 * S),  # a consumer rejecting step messages
+        (returned(10 * S, "delivery_limit"), 10 * S),
+        # expired a few ms after the relay published it: a tiny message-ttl policy
+        (returned(STEP * 1000 - 5_000, "expired"), WAIT_MAX_US),
+        (returned(STEP * 1000 - STORM_FLOOR_US, "expired"), None),  # spent 1 s: hops only
+        # a policy's message-ttl of 5 s on a 70-min step: a hop per 5 s, not a storm
+        (returned(STEP * 1000 - 5 * S, "expired"), None),
+        (returned(STEP * 1000 - 5_000, "expired", clock="host/42"), None),  # a producer's clock
+        (returned(EARLY_TOLERANCE_US), None),  # within the tolerance: on time
+        (returned(-3 * S, "expired"), None),  # late, as hops are
+        (returned(-3 * S), None),
+        (headers(7200 * S, **{HEADER_HOP_EXPIRES: NOW + 10 * S}), None),  # no x-death
+    ],
+)
+def test_a_hop_that_came_back_early_waits_instead_of_hopping_at_once(
+    values: dict[str, Any], wait_us: int | None
+) -> None:
+    decision = decide(values)
+
+    if wait_us is None:
+        assert isinstance(decision, Route)
+        assert isinstance(decision.plan, Hop)
+    else:
+        assert isinstance(decision, Wait)
+        assert decision.wait_us == wait_us
+        assert decision.queue == f"p.step.{STEP}"
+        assert "early (x-death" in decision.reason
+
+
+def test_an_early_hop_is_routed_normally_once_it_waited() -> None:
+    decision = decide(returned(10 * S), rerouted=True)
+
+    assert isinstance(decision, Route)
+    assert decision.plan == Hop(STEP)
+
+
+def test_an_early_hop_due_within_the_hold_window_is_held_not_made_to_wait() -> None:
+    decision = decide(returned(1 * S, due_in_us=3 * S))
+
+    assert isinstance(decision, Route)
+    assert decision.plan == Hold(3 * S)
+
+
+def test_an_early_hop_is_parked_when_the_relay_holds_all_it_can() -> None:
+    decision = decide(returned(10 * S), crowded=True)
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "returned_early"
+    assert f"p.step.{STEP} returned it 10.0 s early (x-death maxlen)" in decision.reason
+    assert "hopsched status" in decision.reason
+
+
+@given(
+    early_us=st.integers(-(10**10), 10**11),
+    spent_us=st.integers(0, 10**10),
+    reason=st.sampled_from(["expired", "maxlen", "rejected", "delivery_limit"]),
+    due_in_us=st.integers(0, 10**11),
+)
+def test_a_wait_never_outlasts_the_hop_nor_the_cap_and_always_ends(
+    early_us: int, spent_us: int, reason: str, due_in_us: int
+) -> None:
+    values = returned(
+        early_us, reason, step_ms=max(16, (early_us + spent_us) // 1000), due_in_us=due_in_us
+    )
+    decision = decide(values)
+
+    if isinstance(decision, Wait):
+        assert 0 < decision.wait_us <= min(early_us, WAIT_MAX_US)
+    again = decide(values, rerouted=True)
+    assert isinstance(again, Route)  # after its wait it moves on: no loop of waits
 
 
 # --- hopsched's own namespace and signatures (issue 19, F30) --------------------------------

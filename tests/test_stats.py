@@ -35,7 +35,10 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
     stats.record_overshoot(4_000)
     stats.record_parked(ParkKind.UNROUTABLE)
     stats.record_cancelled()
+    stats.record_returned_early()
     stats.records += 5
+    stats.policy_risks["loss"] = 2
+    stats.policy_unchecked = 1
     snapshot = stats.snapshot()
     stats.record_parked(ParkKind.UNROUTABLE)  # later changes do not reach the copy
     stats.record_delivery(1_500, arrived_late_us=0)
@@ -51,7 +54,10 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
         "cancel_records": 5,
         "unsigned_envelopes": 0,
         "reconnects": 0,
+        "returned_early": 1,
     }
+    assert snapshot.policy_risks == {"loss": 2, "stall": 0, "hops": 0}
+    assert snapshot.policy_unchecked == 1
     assert snapshot.parked_by_kind == {kind: int(kind is ParkKind.UNROUTABLE) for kind in ParkKind}
     lateness, lateness_sum = snapshot.lateness
     assert (lateness[-1], lateness_sum) == (1, 1_500)
