@@ -119,15 +119,16 @@ class DemoReport:
             said.append(
                 "Their lateness at the consumer (the instant it received one minus its due "
                 f"time, x-hopsched-due): half within {_ms(self.lateness.percentile_ms(50))}, "
-                f"99 % within {_ms(self.lateness.percentile_ms(99))}, all within "
+                f"99\N{NO-BREAK SPACE}% within {_ms(self.lateness.percentile_ms(99))}, all within "
                 f"{_ms(self.lateness.max_ms)}: what an application sees."
             )
         said.append(
-            "The relay's log lines (lateness p50=… p99=…) and its metric measure another "
-            "instant: when the broker's confirm of the relay's final publish reached the relay"
+            "The relay's log lines (last N\N{NO-BREAK SPACE}s: … lateness p50=… p99=…, "
+            "each line for its own interval) and its metric measure another instant: "
+            "when the broker's confirm of the relay's final publish reached the relay"
             + (
-                f" (here half within {_ms(self.relay_lateness.percentile_ms(50))}, 99 % "
-                f"within {_ms(self.relay_lateness.percentile_ms(99))})."
+                f" (over the whole demo: half within {_ms(self.relay_lateness.percentile_ms(50))}, "
+                f"99\N{NO-BREAK SPACE}% within {_ms(self.relay_lateness.percentile_ms(99))})."
                 if self.relay_lateness.count
                 else "."
             )
@@ -165,7 +166,7 @@ def _count(number: int, what: str) -> str:
 
 
 def _ms(value: float) -> str:
-    return f"{value:.1f} ms"
+    return f"{value:.1f}\N{NO-BREAK SPACE}ms"  # never wrapped apart
 
 
 def log_uniform_delays(count: int, low_s: float, high_s: float, seed: int | None) -> list[float]:

@@ -97,8 +97,9 @@ def as_run(code: str, url: str, prefix: str) -> str:
     return code.replace('PREFIX = "hopsched"', f"PREFIX = {prefix!r}")
 
 
-async def run(code: str, within: float = 60) -> str:
-    """Run ``code`` as ``python -c``; its stdout (the test fails if it exits non-zero)."""
+async def run(code: str, within: float = 60, *, fails: bool = False) -> str:
+    """Run ``code`` as ``python -c``; its stdout (the test fails if it exits non-zero),
+    or with ``fails`` its stderr (the test fails if it exits 0)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -113,6 +114,9 @@ async def run(code: str, within: float = 60) -> str:
         process.kill()
         await process.wait()
         pytest.fail(f"the snippet was still running after {within} s")
+    if fails:
+        assert process.returncode != 0, out.decode()
+        return err.decode()
     assert process.returncode == 0, err.decode()
     return out.decode()
 
@@ -242,6 +246,17 @@ async def test_the_raw_amqp_recipe_is_delivered_once_never_early(
     assert received.received_us >= due_us, "never early"
     assert relay.stats.delivered == 1
     assert relay.stats.parked == 0
+
+
+async def test_the_raw_amqp_recipe_fails_loudly_on_a_prefix_no_one_declared(
+    broker_url: str, prefix: str, cleanup: Cleanup
+) -> None:
+    cleanup.queues.add("orders.timeout")  # the recipe declares its target first
+    code = snippet("docs/envelope.md", "Scheduling without hopsched: a raw AMQP producer").code
+
+    err = await run(as_run(code, broker_url, prefix), fails=True)
+
+    assert f"NOT_FOUND - no exchange '{prefix}.expired'" in err
 
 
 @pytest.mark.slow  # starts a private RabbitMQ node
