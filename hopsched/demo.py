@@ -9,6 +9,7 @@ import ipaddress
 import math
 import random
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -50,13 +51,29 @@ GET_A_BROKER = (
 
 @dataclass
 class DemoReport:
-    """What the demo measured. Lateness = receive instant - due time, at the consumer."""
+    """What the demo measured.
+
+    Attributes:
+        scheduled: messages whose ``schedule()`` returned (confirmed by the broker).
+        delivered: distinct schedule ids the demo's consumer received; ``duplicates``
+            counts the further copies of one (delivery is at-least-once).
+        hops: each delivered message's ``x-hopsched-hops``.
+        lateness: at the consumer, µs: the instant it received a message (this
+            process's clock) minus the message's due time (``x-hopsched-due``).
+        relay_lateness: the relay's own measure, the one its log lines and the metric
+            ``hopsched_lateness_seconds`` give: the instant the broker's confirm of its
+            final publish reached it, minus the due time (messages that reached the relay
+            more than a second past due excluded: ``RelayStats.overdue``).
+        target: the queue the messages were scheduled to.
+    """
 
     scheduled: int = 0
     delivered: int = 0
     duplicates: int = 0
     hops: list[int] = field(default_factory=list)
     lateness: LatenessStats = field(default_factory=LatenessStats)
+    relay_lateness: LatenessStats = field(default_factory=LatenessStats)
+    target: str = ""
 
     @property
     def lost(self) -> int:
@@ -71,23 +88,85 @@ class DemoReport:
         return self.early == 0 and self.lost == 0
 
     def table(self) -> str:
+        """The measures as a two-column Markdown table, then what they say in plain words."""
         hops_mean = sum(self.hops) / len(self.hops) if self.hops else 0.0
+        consumer, relay = self.lateness, self.relay_lateness
         rows = [
             ("scheduled", f"{self.scheduled}"),
             ("delivered", f"{self.delivered}"),
             ("duplicates", f"{self.duplicates}"),
             ("early", f"{self.early}"),
             ("lost", f"{self.lost}"),
-            ("lateness p50 (ms)", f"{self.lateness.percentile_ms(50):.2f}"),
-            ("lateness p99 (ms)", f"{self.lateness.percentile_ms(99):.2f}"),
-            ("lateness max (ms)", f"{self.lateness.max_ms:.2f}"),
+            *_lateness_rows("at the consumer", consumer),
+            *_lateness_rows("relay's publish confirmed", relay),
             ("hops mean", f"{hops_mean:.2f}"),
             ("hops max", f"{max(self.hops, default=0)}"),
         ]
         width = max(len(name) for name, _ in rows)
         lines = [f"| {'measure':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
         lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
-        return "\n".join(lines)
+        return "\n".join([*lines, "", self.in_words()])
+
+    def in_words(self) -> str:
+        """What the table says, in sentences (lines of at most about 88 characters)."""
+        to = f" to queue {self.target}" if self.target else ""
+        said = [
+            f"{self.delivered} of the {self.scheduled} messages scheduled were delivered{to}: "
+            f"{_count(self.early, 'early')}, {_count(self.lost, 'lost')}, "
+            f"{_count(self.duplicates, 'duplicate')}."
+        ]
+        if self.lateness.count:
+            said.append(
+                "Their lateness at the consumer (the instant it received one minus its due "
+                f"time, x-hopsched-due): half within {_ms(self.lateness.percentile_ms(50))}, "
+                f"99\N{NO-BREAK SPACE}% within {_ms(self.lateness.percentile_ms(99))}, all within "
+                f"{_ms(self.lateness.max_ms)}: what an application sees."
+            )
+        said.append(
+            "The relay's log lines (last N\N{NO-BREAK SPACE}s: … lateness p50=… p99=…, "
+            "each line for its own interval) and its metric measure another instant: "
+            "when the broker's confirm of the relay's final publish reached the relay"
+            + (
+                f" (over the whole demo: half within {_ms(self.relay_lateness.percentile_ms(50))}, "
+                f"99\N{NO-BREAK SPACE}% within {_ms(self.relay_lateness.percentile_ms(99))})."
+                if self.relay_lateness.count
+                else "."
+            )
+        )
+        if self.early:
+            said.append(f"{_count(self.early, 'message')} came before the due time: a bug.")
+        if self.lost:
+            said.append(
+                f"{_count(self.lost, 'message')} had not arrived {_GRACE_S:g} s after the "
+                "last due time."
+            )
+        if self.duplicates:
+            said.append(
+                "A duplicate is a second copy of a schedule id (delivery is at-least-once: "
+                "consumers de-duplicate on x-hopsched-id)."
+            )
+        return "\n".join(textwrap.wrap(" ".join(said), 88, break_on_hyphens=False))
+
+
+def _lateness_rows(where: str, lateness: LatenessStats) -> list[tuple[str, str]]:
+    def value(ms: float) -> str:
+        return f"{ms:.2f}" if lateness.count else "n/a"
+
+    return [
+        (f"lateness p50 (ms), {where}", value(lateness.percentile_ms(50))),
+        (f"lateness p99 (ms), {where}", value(lateness.percentile_ms(99))),
+        (f"lateness max (ms), {where}", value(lateness.max_ms)),
+    ]
+
+
+def _count(number: int, what: str) -> str:
+    if number == 0:
+        return f"none {what}" if what in ("early", "lost") else f"no {what}"
+    return f"{number} {what}" + ("s" if number > 1 and what not in ("early", "lost") else "")
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}\N{NO-BREAK SPACE}ms"  # never wrapped apart
 
 
 def log_uniform_delays(count: int, low_s: float, high_s: float, seed: int | None) -> list[float]:
@@ -110,7 +189,8 @@ async def run_demo(
     """Run a relay, schedule ``count`` messages to a demo queue, wait for them, measure.
 
     Messages are scheduled at ``rate`` per second with delays log-uniform in
-    [``min_delay_s``, ``max_delay_s``]; lateness is measured at the demo's consumer.
+    [``min_delay_s``, ``max_delay_s``]; lateness is measured at the demo's consumer, and
+    taken from the relay's stats as the relay measures it (``DemoReport``).
 
     Progress goes to ``out``. A ladder the demo declared (``settings.prefix`` had no
     relay queue before) is torn down at the end, also on an error or a cancellation,
@@ -120,10 +200,10 @@ async def run_demo(
     Raises:
         BrokerUnavailableError, TopologyMismatchError: as Scheduler and Relay do.
     """
-    report = DemoReport()
+    target = f"{settings.prefix}-demo-target"  # not {prefix}.…: hopsched's own
+    report = DemoReport(target=target)
     seen: set[str] = set()
     everything = asyncio.Event()
-    target = f"{settings.prefix}-demo-target"  # not {prefix}.…: hopsched's own
 
     async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         received = now_us()
@@ -186,6 +266,7 @@ async def run_demo(
         await relay.stop()
         with contextlib.suppress(Exception):
             await relay_task  # its error, if any, was raised above
+        report.relay_lateness = relay.stats.lateness
         try:
             if ours:  # leave nothing behind: 31 quorum queues hold broker resources
                 await _remove_ladder(connection, topology, out)
