@@ -381,10 +381,16 @@ async def run_demo_or_local(
     )
     out.flush()
     try:
-        async with private_node(installation=installation) as node:
+        # With the management API the relay can read the policies in force (and says
+        # nothing alarming about not being able to).
+        async with private_node(installation=installation, management=True) as node:
             out.write(f"throwaway node {node.node} on 127.0.0.1:{node.port}, in {node.root}\n")
             out.flush()
-            return await demo_on(dataclasses.replace(settings, url=node.url))
+            return await demo_on(
+                dataclasses.replace(
+                    settings, url=node.url, management_url=node.management_url or ""
+                )
+            )
     finally:
         out.write("throwaway node stopped and removed\n")
         out.flush()
