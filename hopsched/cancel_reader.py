@@ -2,8 +2,10 @@
 
 ``CancelReader`` belongs to a relay and outlives its connections: each new connection
 resumes the stream at the offset the last one reached (the first starts at the
-stream's first record), and ``follow`` returns only once the reading has caught up
-with every record written before it was called. A relay must not deliver a message for
+stream's first record), unless the stream is not the one read before (deleted and
+declared again, e.g. by a teardown and a relay starting): then it reads the new one from
+its start. ``follow`` returns only once the reading has caught up with every record
+written before it was called. A relay must not deliver a message for
 want of a cancel it had not read, so it consumes its queue only after that.
 
 Every record is checked (``Signatures.check_record``) before it is applied; one that
@@ -16,6 +18,7 @@ same way for ``hopsched status``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -36,7 +39,12 @@ from hopsched.cancel import (
 from hopsched.clock import now_us
 from hopsched.connect import Connector
 from hopsched.envelope import HEADER_ID
-from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
+from hopsched.errors import (
+    AccessRefusedError,
+    BrokerConnectionLost,
+    BrokerUnavailableError,
+    ChannelClosedError,
+)
 from hopsched.publisher import LADDER_LANE, Publisher
 from hopsched.settings import Settings
 from hopsched.signing import Refusal, Signatures
@@ -87,6 +95,8 @@ class CancelReader:
         self.signatures = signatures
         self.tally = tally
         self._offset: int | str = "first"  # where the next connection resumes
+        # (offset, body digest) of the first stream message read: which stream this is
+        self._first: tuple[int, bytes] | None = None
 
     async def follow(
         self,
@@ -109,10 +119,29 @@ class CancelReader:
             BrokerUnavailableError: the stream did not take the marker (nack, return).
             BrokerConnectionLost, ChannelClosedError: the connection or the channel went
                 (e.g. the stream is down: 404 on consume).
+            AccessRefusedError: 403: the user may not read the stream, or write the marker
+                through the default exchange; names the permission.
         """
         marker = uuid.uuid4().hex
         caught_up = asyncio.Event()
         lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The marker goes first: a reading that starts at any offset this stream had
+        # before reads it, and a stream declared anew holds at least it (see _same_stream).
+        try:
+            await self._write_marker(publisher, marker)
+        except ChannelClosedError as error:
+            if error.reply_code == 403:
+                raise _refused(
+                    error, f"write permission on amq.default (to append to {self.stream})"
+                ) from None
+            raise
+        if self._offset != "first" and not await self._same_stream(connection):
+            log.warning(
+                "%s is not the stream this relay read before (deleted and declared again, "
+                "e.g. by a teardown): reading it from its start",
+                self.stream,
+            )
+            self._offset, self._first = "first", None
         channel = await connection.channel()
         await channel.qos(_PREFETCH)
         acker = Acker(channel)
@@ -125,6 +154,8 @@ class CancelReader:
             headers = delivery.properties.headers if delivery.properties is not None else None
             offset = headers.get("x-stream-offset") if headers is not None else None
             if type(offset) is int:
+                if self._first is None:
+                    self._first = (offset, _digest(delivery.body))
                 self._offset = offset + 1
             if headers is not None and HEADER_ID in headers:
                 self.tally.refused[RELAYED] += 1  # a relay delivered it here: no record
@@ -149,36 +180,29 @@ class CancelReader:
             if not lost.done():
                 lost.set_result(None)
 
-        await channel.consume(
-            self.stream, received, cancelled, arguments={"x-stream-offset": self._offset}
-        )
-        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def written(outcome: amqp.Outcome, detail: Any) -> None:
-            if outcome is not amqp.Outcome.ACK and not refused.done():
-                refused.set_exception(
-                    BrokerUnavailableError(
-                        f"{self.stream} did not take this relay's marker record "
-                        f"({outcome.value}: {detail})"
-                    )
-                )
-
-        record = encode_records([Record(MARKER, marker, self.clock())])
-        publisher.publish(LADDER_LANE, "", self.stream, record, _PERSISTENT, written)
+        try:
+            await channel.consume(
+                self.stream, received, cancelled, arguments={"x-stream-offset": self._offset}
+            )
+        except ChannelClosedError as error:
+            if error.reply_code == 403:
+                raise _refused(error, f"read permission on {self.stream}") from None
+            raise
         started = time.monotonic()
         waits: set[asyncio.Future[Any]] = {
             asyncio.ensure_future(caught_up.wait()),
             asyncio.ensure_future(asyncio.shield(connection.closed)),
             asyncio.ensure_future(asyncio.shield(channel.closed)),
             asyncio.ensure_future(asyncio.shield(lost)),
-            refused,
         }
-        await asyncio.wait(waits, timeout=CATCH_UP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-        for waiting in waits:
-            waiting.cancel()
+        try:
+            await asyncio.wait(
+                waits, timeout=CATCH_UP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiting in waits:
+                waiting.cancel()
         if not caught_up.is_set():
-            if refused.done() and not refused.cancelled():
-                refused.result()  # raises
             if lost.done():
                 raise BrokerConnectionLost(f"the broker cancelled the reading of {self.stream}")
             if channel.closed.done():
@@ -204,6 +228,72 @@ class CancelReader:
                 ", ".join(f"{kind} {count}" for kind, count in sorted(self.tally.refused.items())),
             )
         return lost
+
+    async def _write_marker(self, publisher: Publisher, marker: str) -> None:
+        """Append this reading's marker record and wait for the broker's confirm."""
+        confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def written(outcome: amqp.Outcome, detail: Any) -> None:
+            if confirmed.done():
+                return
+            if outcome is amqp.Outcome.ACK:
+                confirmed.set_result(None)
+            elif isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
+                confirmed.set_exception(detail)  # e.g. 403: the user may not write there
+            else:
+                confirmed.set_exception(
+                    BrokerUnavailableError(
+                        f"{self.stream} did not take this relay's marker record "
+                        f"({outcome.value}: {detail})"
+                    )
+                )
+
+        record = encode_records([Record(MARKER, marker, self.clock())])
+        publisher.publish(LADDER_LANE, "", self.stream, record, _PERSISTENT, written)
+        async with asyncio.timeout(CATCH_UP_TIMEOUT_S):
+            await confirmed
+
+    async def _same_stream(self, connection: amqp.Connection) -> bool:
+        """Whether the stream's first message is the one this reader read first.
+
+        A stream's offsets only grow and a stream declared anew starts at 0 again, so
+        a first message at the same offset with another body, or at a lower offset, is
+        another stream (one at a higher offset: the same, its oldest records past their
+        retention). The stream holds at least the marker just written: this cannot wait
+        for a message that never comes.
+        """
+        if self._first is None:
+            return False
+        channel = await connection.channel()
+        first: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+
+        def received(delivery: amqp.Delivery) -> None:
+            headers = delivery.properties.headers if delivery.properties is not None else None
+            offset = headers.get("x-stream-offset") if headers is not None else None
+            if not first.done() and type(offset) is int:
+                first.set_result((offset, _digest(delivery.body)))
+
+        try:
+            await channel.qos(1)
+            await channel.consume(
+                self.stream, received, lambda _: None, arguments={"x-stream-offset": "first"}
+            )
+            closed: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(channel.closed))
+            await asyncio.wait(
+                {first, closed}, timeout=CATCH_UP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            closed.cancel()
+            if channel.closed.done():
+                raise channel.closed.result()
+            if not first.done():
+                raise BrokerUnavailableError(
+                    f"{self.stream} gave nothing back for {CATCH_UP_TIMEOUT_S:.0f} s"
+                )
+            offset, digest = first.result()
+        finally:
+            await channel.close()
+        first_offset, first_digest = self._first
+        return offset > first_offset or (offset == first_offset and digest == first_digest)
 
     def note_parked(self, publisher: Publisher, schedule_id: str, kind: str) -> None:
         """Append a notice that this relay parked ``schedule_id``'s message for its
@@ -234,7 +324,7 @@ async def tally_records(settings: Settings) -> RecordTally:
     Raises:
         BrokerUnavailableError: cannot connect, or the stream took no marker (or gave
             nothing back within ``CATCH_UP_TIMEOUT_S``); ChannelClosedError: the stream
-            is missing (404) or may not be read (403).
+            is missing (404); AccessRefusedError: it may not be read or written (403).
     """
     signatures = settings.signatures
     tally = RecordTally(checked=signatures.enabled)
@@ -248,3 +338,11 @@ async def tally_records(settings: Settings) -> RecordTally:
         await publisher.close()
         await connection.close()
     return tally
+
+
+def _digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+def _refused(error: ChannelClosedError, needs: str) -> AccessRefusedError:
+    return AccessRefusedError(f"the broker refused ({error}): this needs {needs}")
