@@ -28,7 +28,9 @@ from typing import Any
 from hopsched import amqp
 from hopsched.acks import Acker
 from hopsched.cancel import (
+    HANDED_BACK,
     MARKER,
+    NOTICES,
     PARKED,
     Cancellations,
     Record,
@@ -50,7 +52,7 @@ from hopsched.settings import Settings
 from hopsched.signing import Refusal, Signatures
 from hopsched.topology import Topology
 
-__all__ = ["CATCH_UP_TIMEOUT_S", "RELAYED", "CancelReader", "tally_records"]
+__all__ = ["CATCH_UP_TIMEOUT_S", "RELAYED", "CancelReader", "handed_back_reasons", "tally_records"]
 
 log = logging.getLogger("hopsched.relay")
 
@@ -97,6 +99,8 @@ class CancelReader:
         self._offset: int | str = "first"  # where the next connection resumes
         # (offset, body digest) of the first stream message read: which stream this is
         self._first: tuple[int, bytes] | None = None
+        #: schedule id -> reason of the handed-back notices read (``handed_back_reasons``)
+        self.handed_back: dict[str, str] | None = None
 
     async def follow(
         self,
@@ -170,7 +174,9 @@ class CancelReader:
                     self.tally.refused[checked.kind] += 1
                     continue
                 self.tally.count(checked if self.signatures.enabled else record)
-                if checked.op == PARKED or self.cancellations is None:
+                if checked.op == HANDED_BACK and self.handed_back is not None:
+                    self.handed_back[checked.schedule_id] = checked.reason or "?"
+                if checked.op in NOTICES or self.cancellations is None:
                     continue
                 self.cancellations.apply(checked)
                 read += 1
@@ -295,11 +301,17 @@ class CancelReader:
         first_offset, first_digest = self._first
         return offset > first_offset or (offset == first_offset and digest == first_digest)
 
-    def note_parked(self, publisher: Publisher, schedule_id: str, kind: str) -> None:
+    def note_parked(
+        self, publisher: Publisher, schedule_id: str, kind: str, reason: str | None = None
+    ) -> None:
         """Append a notice that this relay parked ``schedule_id``'s message for its
-        signature or target (``kind``), for ``hopsched status``; signed with the first key.
-        Not confirmed: a notice lost in a crash costs a count, never a message."""
-        record = self.signatures.sign_notice(Record(PARKED, schedule_id, self.clock(), kind=kind))
+        signature or target (``kind``), for ``hopsched status``; or, with ``reason``, that
+        it handed it back to be dead-lettered into parking as it is (``HANDED_BACK``), for
+        ``hopsched parked list``. Signed with the first key. Not confirmed: a notice lost
+        in a crash costs a count or a reason, never a message."""
+        op = PARKED if reason is None else HANDED_BACK
+        notice = Record(op, schedule_id, self.clock(), kind=kind, reason=reason)
+        record = self.signatures.sign_notice(notice)
 
         def written(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is not amqp.Outcome.ACK:
@@ -310,6 +322,16 @@ class CancelReader:
             publisher.publish(LADDER_LANE, "", self.stream, body, _PERSISTENT, written)
         except BrokerConnectionLost:
             pass
+
+
+async def handed_back_reasons(settings: Settings) -> dict[str, str]:
+    """Why relays handed messages back to ``{prefix}.relay`` to be dead-lettered into
+    parking as they were (the broker refused even their parked copy: a body over its
+    ``max_message_size``, say): schedule id -> the relay's reason, from the notices in
+    the cancel stream (the latest for an id). Raises as ``tally_records``."""
+    reasons: dict[str, str] = {}
+    await _read_stream(settings, RecordTally(), reasons)
+    return reasons
 
 
 async def tally_records(settings: Settings) -> RecordTally:
@@ -326,10 +348,17 @@ async def tally_records(settings: Settings) -> RecordTally:
             nothing back within ``CATCH_UP_TIMEOUT_S``); ChannelClosedError: the stream
             is missing (404); AccessRefusedError: it may not be read or written (403).
     """
-    signatures = settings.signatures
-    tally = RecordTally(checked=signatures.enabled)
+    tally = RecordTally(checked=settings.signatures.enabled)
+    await _read_stream(settings, tally, None)
+    return tally
+
+
+async def _read_stream(
+    settings: Settings, tally: RecordTally, handed_back: dict[str, str] | None
+) -> None:
     stream = Topology.from_settings(settings).cancel_stream
-    reader = CancelReader(stream, None, now_us, signatures, tally)
+    reader = CancelReader(stream, None, now_us, settings.signatures, tally)
+    reader.handed_back = handed_back
     connection = await Connector(settings, name="hopsched-status").connect()
     publisher = Publisher(connection)
     try:
@@ -337,7 +366,6 @@ async def tally_records(settings: Settings) -> RecordTally:
     finally:
         await publisher.close()
         await connection.close()
-    return tally
 
 
 def _digest(body: bytes) -> bytes:

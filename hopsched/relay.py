@@ -910,6 +910,10 @@ class _Session:
         """The last resort: the broker dead-letters it into the parking queue."""
         self.stats.record_rejected()
         self.acker.rejected(delivery.delivery_tag)
+        # its dead-lettered copy carries no reason: say it in the stream (parked list)
+        self.relay.cancel_reader.note_parked(
+            self.publisher, _schedule_id(delivery), "handed_back", reason
+        )
         log.error(
             "could not park a message (schedule id %s): %s; handed back to %s to "
             "dead-letter into %s",

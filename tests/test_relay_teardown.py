@@ -25,7 +25,7 @@ from urllib.parse import quote
 import aio_pika
 import pytest
 from broker import PrivateBroker
-from support import Targets, hopsched_cli
+from support import Relays, Targets, hopsched_cli
 
 import hopsched
 from hopsched import amqp
@@ -34,6 +34,7 @@ from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import Connector
 from hopsched.localbroker import free_port
+from hopsched.parked import list_parked
 from hopsched.publisher import Publisher
 
 AMQP = aio_pika.abc.AbstractConnection
@@ -235,7 +236,7 @@ async def test_F31_stop_returns_within_the_shutdown_timeout_in_every_state(
     timeout_s = 3.0
     settings = hopsched.Settings(url=private_broker.url, prefix=prefix, hold_window_ms=30_000)
     connection = await aio_pika.connect(private_broker.url)
-    target = (await (await connection.channel()).declare_queue(f"{prefix}.target")).name
+    target = (await (await connection.channel()).declare_queue(f"{prefix}-target")).name
     times: dict[str, float] = {}
 
     async def start(wait: bool = True) -> tuple[hopsched.Relay, asyncio.Task[None]]:
@@ -322,3 +323,32 @@ async def test_F34_a_relay_that_may_not_read_its_own_queue_exits_naming_the_gran
     assert status == 1, (out, err)
     assert f"read permission on {prefix}.{without}" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+async def test_F34_a_message_the_broker_refuses_for_its_size_is_parked_with_that_reason(
+    private_broker: PrivateBroker, prefix: str, relays: Relays
+) -> None:
+    """A 20 MiB message waits on the ladder when the broker's ``max_message_size`` drops
+    to 16 MiB (RabbitMQ 4.0's default): the broker refuses the relay's delivery and its
+    parked copy, so the relay hands it back and the relay queue dead-letters it into
+    parking as it is. ``parked list`` gave the dead-lettering's reason; now it gives the
+    broker's refusal, which the relay wrote to the cancel stream."""
+    limit = "application:set_env(rabbit, max_message_size, {}).".format
+    settings = hopsched.Settings(url=private_broker.url, prefix=prefix, max_message_size=2**25)
+    await private_broker.rabbitmqctl("eval", limit(2**25))
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
+        scheduled = await scheduler.schedule(b"x" * 20 * 2**20, delay=2, routing_key="anywhere")
+    await private_broker.rabbitmqctl("eval", limit(2**24))
+    relay = await relays.start(settings)
+    async with asyncio.timeout(30):
+        while relay.stats.rejected < 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(1)  # the parked copy dead-lettered, the notice written
+
+    (parked,) = (await list_parked(settings)).messages
+    print(f"\nF34a: {parked.reason}")
+    assert parked.schedule_id == scheduled.schedule_id
+    assert parked.body_bytes == 20 * 2**20
+    assert "message size 20971520 is larger than configured max size 16777216" in parked.reason
+    assert "expired" not in parked.reason
