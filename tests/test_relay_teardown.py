@@ -20,6 +20,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from urllib.parse import quote
 
 import aio_pika
@@ -327,19 +328,22 @@ async def test_F34_a_relay_that_may_not_read_its_own_queue_exits_naming_the_gran
 
 @pytest.mark.slow
 async def test_F34_a_message_the_broker_refuses_for_its_size_is_parked_with_that_reason(
-    private_broker: PrivateBroker, prefix: str, relays: Relays
+    start_private_broker: Callable[..., Awaitable[PrivateBroker]], prefix: str, relays: Relays
 ) -> None:
     """A 20 MiB message waits on the ladder when the broker's ``max_message_size`` drops
-    to 16 MiB (RabbitMQ 4.0's default): the broker refuses the relay's delivery and its
-    parked copy, so the relay hands it back and the relay queue dead-letters it into
-    parking as it is. ``parked list`` gave the dead-lettering's reason; now it gives the
-    broker's refusal, which the relay wrote to the cancel stream."""
-    limit = "application:set_env(rabbit, max_message_size, {}).".format
-    settings = hopsched.Settings(url=private_broker.url, prefix=prefix, max_message_size=2**25)
-    await private_broker.rabbitmqctl("eval", limit(2**25))
+    to 16 MiB (RabbitMQ 4.0's default; here a restart with the lower setting): the broker
+    refuses the relay's delivery and its parked copy, so the relay hands it back and the
+    relay queue dead-letters it into parking as it is. ``parked list`` gave the
+    dead-lettering's reason; now it gives the broker's refusal, which the relay wrote to
+    the cancel stream."""
+    node = await start_private_broker("max_message_size = 33554432")
+    settings = hopsched.Settings(url=node.url, prefix=prefix, max_message_size=2**25)
     async with hopsched.Scheduler(settings, declare=True) as scheduler:
         scheduled = await scheduler.schedule(b"x" * 20 * 2**20, delay=2, routing_key="anywhere")
-    await private_broker.rabbitmqctl("eval", limit(2**24))
+    await node.stop()
+    config = node.root / "rabbitmq.conf"
+    config.write_text(config.read_text().replace("33554432", "16777216"))
+    await node.start()
     relay = await relays.start(settings)
     async with asyncio.timeout(30):
         while relay.stats.rejected < 1:  # noqa: ASYNC110
