@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 __all__ = [
     "CANCEL",
     "GRACE_US",
+    "HANDED_BACK",
     "MARKER",
+    "NOTICES",
     "PARKED",
     "RESCHEDULE",
     "Cancellations",
@@ -51,7 +53,13 @@ MARKER = "marker"
 #: A relay's notice that it parked a message for its signature or its target (``kind``,
 #: a ParkKind): read by ``hopsched status``, applied to nothing.
 PARKED = "parked"
-_OPS = frozenset({CANCEL, RESCHEDULE, MARKER, PARKED})
+#: A relay's notice that it could not park a message and handed it back to the relay
+#: queue, which dead-letters it into parking as it is: ``reason`` is why (the broker's
+#: refusal), for ``hopsched parked list``, the parked copy having no room for it.
+HANDED_BACK = "handed_back"
+_OPS = frozenset({CANCEL, RESCHEDULE, MARKER, PARKED, HANDED_BACK})
+#: Records that change no schedule: a relay applies none of them.
+NOTICES = frozenset({MARKER, PARKED, HANDED_BACK})
 #: How long past its due time a record is kept, µs: a relay crash can leave a second copy
 #: of a message on the ladder, which must meet the record too.
 GRACE_US = 3_600_000_000
@@ -70,6 +78,7 @@ class Record:
         kind: a ``"parked"`` notice's ParkKind; None otherwise.
         key_id, mac: its signature (``hopsched.signing``): the signing key's id and the
             HMAC, 64 hex digits; None if unsigned.
+        reason: a ``"handed_back"`` notice's reason; None otherwise.
     """
 
     op: str
@@ -79,6 +88,7 @@ class Record:
     kind: str | None = None
     key_id: str | None = None
     mac: str | None = None
+    reason: str | None = None
 
 
 @dataclass
@@ -118,7 +128,7 @@ class RecordTally:
 
 def encode_records(records: Iterable[Record]) -> bytes:
     """Records as a stream message's body: one JSON object per line, with keys ``op``,
-    ``id``, ``at``, ``due`` and, when set, ``kind``, ``kid`` and ``mac``."""
+    ``id``, ``at``, ``due`` and, when set, ``kind``, ``kid``, ``mac`` and ``why``."""
     lines = []
     for r in records:
         fields: dict[str, object] = {
@@ -133,6 +143,8 @@ def encode_records(records: Iterable[Record]) -> bytes:
             fields["kid"] = r.key_id
         if r.mac is not None:
             fields["mac"] = r.mac
+        if r.reason is not None:
+            fields["why"] = r.reason
         lines.append(json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode())
     return b"".join(line + b"\n" for line in lines)
 
@@ -152,6 +164,7 @@ def decode_records(body: bytes) -> Iterator[Record]:
                 fields.get("kind"),
                 fields.get("kid"),
                 fields.get("mac"),
+                fields.get("why"),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -162,7 +175,8 @@ def decode_records(body: bytes) -> Iterator[Record]:
             and (record.due_us is None or type(record.due_us) is int)
             and (record.op != RESCHEDULE or record.due_us is not None)
             and all(
-                v is None or isinstance(v, str) for v in (record.kind, record.key_id, record.mac)
+                v is None or isinstance(v, str)
+                for v in (record.kind, record.key_id, record.mac, record.reason)
             )
         ):
             yield record

@@ -241,7 +241,7 @@ def relay(
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.stop()))
         await daemon.run()
 
-    _run(serve())
+    _run(serve(), settings)
 
 
 @main.command()

@@ -10,6 +10,7 @@ not yet due, delivery if it is, parking again (with a fresh reason) if it still 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
 from hopsched import amqp
+from hopsched.cancel_reader import handed_back_reasons
 from hopsched.connect import connect
 from hopsched.envelope import (
     HEADER_DUE,
@@ -76,17 +78,23 @@ class ParkedMessage:
         )
 
 
+_HANDED_BACK = "a relay could not park it and handed it back"
+
+
 def _dead_letter_reason(headers: Mapping[str, Any]) -> str:
     """Why the broker itself moved a message here (``{prefix}.relay`` dead-letters into
-    the parking queue), from the ``x-first-death-*`` headers it adds."""
-    reason, queue = headers.get("x-first-death-reason"), headers.get("x-first-death-queue")
+    the parking queue), from the ``x-last-death-*`` headers it adds: the death that
+    brought it here, not an earlier one (a step's ``expired``). RabbitMQ < 3.13 sets no
+    ``x-last-death-*``: then ``x-first-death-*``."""
+    reason = headers.get("x-last-death-reason") or headers.get("x-first-death-reason")
+    queue = headers.get("x-last-death-queue") or headers.get("x-first-death-queue")
     if reason == "delivery_limit":
         return (
             f"returned to {queue} more often than its delivery limit (relays crashed or "
             "lost their connection while holding it)"
         )
     if reason == "rejected":
-        return f"a relay could not park it and handed it back to {queue} (see the relay's log)"
+        return f"{_HANDED_BACK} to {queue}"
     if reason:
         return f"dead-lettered by the broker from {queue} ({reason})"
     return "(no reason recorded)"
@@ -130,6 +138,17 @@ async def list_parked(settings: Settings, *, limit: int | None = None) -> Parked
             found.append(ParkedMessage.from_delivery(delivered))
             if limit is not None and len(found) >= limit:
                 break
+    if any(message.reason.startswith(_HANDED_BACK) for message in found):
+        # the broker's refusal, which the relay wrote to the cancel stream
+        reasons = await handed_back_reasons(settings)
+        found = [
+            dataclasses.replace(
+                message, reason=f"{reasons[message.schedule_id]} ({message.reason})"
+            )
+            if message.reason.startswith(_HANDED_BACK) and message.schedule_id in reasons
+            else message
+            for message in found
+        ]
     return ParkedListing(found, total)
 
 

@@ -24,6 +24,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from pamqp import commands
+
 from hopsched import amqp
 from hopsched.acks import Acker
 from hopsched.cancel import CANCEL, Cancellations
@@ -45,7 +47,13 @@ from hopsched.envelope import (
     parked_properties,
     retry_properties,
 )
-from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
+from hopsched.errors import (
+    AccessRefusedError,
+    BrokerConnectionLost,
+    BrokerUnavailableError,
+    ChannelClosedError,
+    PrefixNotDeclaredError,
+)
 from hopsched.holds import Holds
 from hopsched.ladder import US_PER_MS, Hop
 from hopsched.overshoot import OvershootTracker
@@ -231,7 +239,7 @@ class Relay:
                     self.stats.reconnects += 1
                 try:
                     self._session = _Session(self, connection)
-                    await self._session.serve()
+                    await self._serve(self._session)
                 except (BrokerUnavailableError, ChannelClosedError) as error:
                     if self._consuming.is_set():  # lost mid-way: reconnect at once
                         delay = RECONNECT_FIRST_S
@@ -254,6 +262,24 @@ class Relay:
             if served:
                 self._report()
                 log.info("relay stopped")
+
+    async def _serve(self, session: _Session) -> None:
+        """``session.serve()``, within the shutdown timeout in every state: ``stop()``
+        while the session starts (declaring, reading the cancel stream: nothing held yet)
+        ends it at once; once it consumes, it drains until the timeout, then is ended."""
+        serving = asyncio.ensure_future(session.serve())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done() and self._consuming.is_set():
+                await asyncio.wait({serving}, timeout=self._time_left(math.inf))
+        finally:
+            stopping.cancel()
+            if not serving.done():
+                serving.cancel()
+                await asyncio.wait({serving})
+        if not serving.cancelled():
+            serving.result()
 
     async def _watch_policies(self) -> None:
         """The policies in force (``hopsched.policy_watch``), once the relay consumes (a
@@ -333,29 +359,41 @@ class _Session:
         self.held_by_id: dict[str, list[_Final]] = {}
         self._redeclaring: dict[str, asyncio.Future[None]] = {}
         self.waiting = 0  # deliveries that came back early, waiting to be routed anew
+        # set on a 403 for the prefix's own objects: the session ends, the relay exits
+        self.refused: asyncio.Future[AccessRefusedError] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.torn_down = False  # the prefix was torn down: declare nothing again
 
     async def _declare(self, names: list[str] | None = None) -> None:
         """Declare the topology (or ``names``) on the node this session is on, if it
-        answers."""
+        answers; nothing once the prefix was torn down."""
+        if self.torn_down:
+            return
         await declare_topology(self.settings, names, first=self.relay._connector.url)
 
     async def serve(self) -> None:
-        """Consume until the relay stops (then drain) or the connection goes (raised)."""
+        """Consume until the relay stops (then drain) or the connection goes (raised).
+
+        Raises:
+            PrefixNotDeclaredError: the prefix was torn down under the relay (its cancel
+                stream deleted): the relay stops, declaring nothing again.
+            AccessRefusedError: the relay's user may not read or write one of the
+                prefix's objects (AMQP 403): not worth trying again.
+        """
         relay, topology = self.relay, self.topology
         await self._declare()
-        lost_stream = await relay.cancel_reader.follow(
-            self.connection, self.publisher, self._record_read
-        )
+        try:
+            lost_stream = await relay.cancel_reader.follow(
+                self.connection, self.publisher, self._record_read
+            )
+        except AccessRefusedError as error:
+            raise self._access_refused(str(error)) from None
         channel = await self.connection.channel()
         await channel.qos(self.settings.prefetch)
         self.acker = Acker(channel)
         cancelled = asyncio.Event()
-        tag = await channel.consume(
-            topology.relay_queue,
-            self._received,
-            lambda _: cancelled.set(),
-            arguments=RELAY_CONSUMER_ARGUMENTS,
-        )
+        tag = await self._consume(channel, cancelled)
         relay._consuming.set()
         log.info(
             "relay consuming %s on node %s (prefetch %d, %s ladder %d..%d ms)",
@@ -366,13 +404,15 @@ class _Session:
             self.settings.min_step_ms,
             self.settings.max_step_ms,
         )
+        torn_down: PrefixNotDeclaredError | None = None
         while True:
             waits: dict[asyncio.Future[Any], str] = {
                 asyncio.ensure_future(relay._stopping.wait()): "stop",
                 asyncio.ensure_future(cancelled.wait()): "cancelled",
                 asyncio.ensure_future(asyncio.shield(self.connection.closed)): "lost",
                 asyncio.ensure_future(asyncio.shield(channel.closed)): "lost",
-                asyncio.ensure_future(asyncio.shield(lost_stream)): "lost",
+                asyncio.ensure_future(asyncio.shield(lost_stream)): "stream",
+                asyncio.ensure_future(asyncio.shield(self.refused)): "refused",
             }
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
@@ -381,25 +421,97 @@ class _Session:
             if "lost" in reasons:
                 if self.connection.closed.done():
                     raise self.connection.closed.result()
-                if channel.closed.done():
-                    raise channel.closed.result()
-                raise BrokerConnectionLost(  # its stream was deleted: start over
-                    f"the broker cancelled the reading of {self.topology.cancel_stream}"
-                )
+                raise channel.closed.result()
+            if "refused" in reasons:
+                self.holds.cancel()  # unacked: back in the queue once the connection closes
+                raise self.refused.result()
             if "stop" in reasons:
                 break
+            if await self._missing(topology.cancel_stream):
+                torn_down = self._torn_down()
+                break
+            if "stream" in reasons:  # cancelled, but the stream is there: start over
+                raise BrokerConnectionLost(
+                    f"the broker cancelled the reading of {self.topology.cancel_stream}"
+                )
             # The broker cancelled the consumer (e.g. the queue was deleted): declare the
             # topology again and consume anew; deliveries held so far stay ours to ack.
-            log.warning("the broker cancelled the relay's consumer; declaring and consuming again")
+            log.warning(
+                "the broker cancelled the relay's consumer (%s deleted?); declaring the "
+                "prefix's queues again and consuming again; the %d deliveries held are "
+                "delivered when due",
+                topology.relay_queue,
+                len(self.holds),
+            )
             cancelled.clear()
             await self._declare()
-            tag = await channel.consume(
-                topology.relay_queue,
+            tag = await self._consume(channel, cancelled)
+        await self._drain(channel, tag)
+        if torn_down is not None:
+            raise torn_down
+
+    async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> str:
+        try:
+            return await channel.consume(
+                self.topology.relay_queue,
                 self._received,
                 lambda _: cancelled.set(),
                 arguments=RELAY_CONSUMER_ARGUMENTS,
             )
-        await self._drain(channel, tag)
+        except ChannelClosedError as error:
+            if error.reply_code == 403:
+                refusal = f"the broker refused ({error}): this needs read permission on "
+                raise self._access_refused(refusal + self.topology.relay_queue) from None
+            raise
+
+    async def _missing(self, queue: str) -> bool:
+        """Whether ``queue`` is gone (a passive declare answers 404)."""
+        channel = await self.connection.channel()
+        try:
+            await channel.call(commands.Queue.Declare(queue=queue, passive=True))
+        except ChannelClosedError as error:
+            if error.reply_code == 404:
+                return True
+            raise
+        finally:
+            await channel.close()
+        return False
+
+    def _torn_down(self) -> PrefixNotDeclaredError:
+        """The prefix's cancel stream is gone: a teardown (``hopsched teardown`` deletes
+        it first) or an operator. The relay stops rather than declare the prefix again
+        behind the teardown's back; it declares nothing more meanwhile."""
+        self.torn_down = True
+        relay, topology = self.relay, self.topology
+        if not relay._stopping.is_set():
+            relay._stop_by = time.monotonic() + relay._shutdown_timeout_s
+        text = (
+            f"prefix {self.settings.prefix!r} was torn down under this relay "
+            f"({topology.cancel_stream} deleted: `hopsched teardown`, or an operator); "
+            "it stops, declaring nothing again (`hopsched relay` exits with status 4; start "
+            "it again to declare the prefix anew)"
+        )
+        if self.holds:
+            text += (
+                f". Of the {len(self.holds)} deliveries it holds, deleted from "
+                f"{topology.relay_queue} (teardown counts them), those due within the "
+                f"shutdown timeout ({relay._shutdown_timeout_s:g} s) are delivered, the "
+                "others are lost"
+            )
+        log.error("%s", text)
+        return PrefixNotDeclaredError(
+            text, prefix=self.settings.prefix, queue=topology.cancel_stream
+        )
+
+    def _access_refused(self, refusal: str) -> AccessRefusedError:
+        """A 403 on one of the prefix's own objects (``refusal`` names the permission):
+        the grant to give, and the command that gives it."""
+        grant = self.topology.permissions("relay").command(self.settings.login, self.settings.vhost)
+        return AccessRefusedError(
+            f"{self.topology.prefix}'s relay, user {self.settings.login!r}: {refusal}. Give "
+            f"it the relay's grant (`hopsched permissions --prefix {self.settings.prefix} "
+            f"--role relay`, with --target-exchange for each target exchange): {grant}"
+        )
 
     def _record_read(self, schedule_id: str) -> None:
         self.stats.records += 1
@@ -756,7 +868,7 @@ class _Session:
                         delivery, properties, park, target, redeclared=True
                     ),
                 )
-            elif not isinstance(detail, BrokerConnectionLost):
+            elif not isinstance(detail, BrokerConnectionLost) and not self._refused_own(detail):
                 failure = f"{outcome.value} {detail or ''}".rstrip()
                 self._reject(delivery, f"{park.reason}; and parking it failed: {failure}")
 
@@ -777,15 +889,31 @@ class _Session:
     def _not_published(
         self, delivery: amqp.Delivery, what: str, outcome: amqp.Outcome, detail: Any
     ) -> None:
-        if isinstance(detail, BrokerConnectionLost):
+        if isinstance(detail, BrokerConnectionLost) or self._refused_own(detail):
             return
         reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
         self._park(delivery, Park(reason, ParkKind.REFUSED))
+
+    def _refused_own(self, detail: Any) -> bool:
+        """Whether a publish to the prefix's own queues (a hop, parking) was refused for
+        want of a permission (403): then the session ends and the relay exits, the
+        delivery left unacked (the broker delivers it again), rather than park every
+        message for ever."""
+        if not isinstance(detail, ChannelClosedError) or detail.reply_code != 403:
+            return False
+        if not self.refused.done():
+            refusal = f"the broker refused ({detail}): this needs write permission on amq.default"
+            self.refused.set_result(self._access_refused(refusal + " (hops and parking)"))
+        return True
 
     def _reject(self, delivery: amqp.Delivery, reason: str) -> None:
         """The last resort: the broker dead-letters it into the parking queue."""
         self.stats.record_rejected()
         self.acker.rejected(delivery.delivery_tag)
+        # its dead-lettered copy carries no reason: say it in the stream (parked list)
+        self.relay.cancel_reader.note_parked(
+            self.publisher, _schedule_id(delivery), "handed_back", reason
+        )
         log.error(
             "could not park a message (schedule id %s): %s; handed back to %s to "
             "dead-letter into %s",

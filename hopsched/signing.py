@@ -197,6 +197,7 @@ def record_bytes(prefix: str, key_id: str, record: Record) -> bytes:
         record.at_us,
         record.due_us,
         record.kind,
+        *(() if record.reason is None else (record.reason,)),  # records before it had none
     )
 
 

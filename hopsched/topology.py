@@ -621,7 +621,10 @@ class Topology:
         channel = await connection.channel(publisher_confirms=False)
         underlay = await channel.get_underlay_channel()
         try:
-            for name, depth in depths.items():
+            # The cancel stream first: a running relay (this version) takes its deletion
+            # for a teardown and stops, where it would declare a deleted queue again.
+            order = sorted(depths.items(), key=lambda item: item[0] != self.cancel_stream)
+            for name, depth in order:
                 if depth is None:
                     done.missing.append(name)
                     continue

@@ -395,7 +395,9 @@ async def test_teardown_refuses_while_messages_wait_then_removes_everything_with
     amqp: aio_pika.abc.AbstractConnection,
 ) -> None:
     topology = hopsched.Topology.from_settings(settings)
-    everything = [*topology.queues(), topology.expired_exchange]
+    # the cancel stream first: a running relay takes its deletion for the teardown
+    queues = [name for name in topology.queues() if name != topology.cancel_stream]
+    everything = [topology.cancel_stream, *queues, topology.expired_exchange]
     await scheduler.schedule(b"later", delay=3600, routing_key="q")
     await scheduler.cancel("something-else")  # the stream's records are no pending messages
 

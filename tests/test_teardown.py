@@ -55,7 +55,8 @@ async def relay_process(settings: hopsched.Settings, **variables: str) -> AsyncI
                 await asyncio.sleep(0.1)
         yield
     finally:
-        process.kill()
+        if process.returncode is None:  # it exits by itself (4) once torn down
+            process.kill()
         await process.wait()
 
 
