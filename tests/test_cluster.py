@@ -286,26 +286,42 @@ async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) ->
 
 
 async def test_cluster_scheduler_on_the_killed_node_fails_over(cluster: PrivateCluster) -> None:
+    """F39: the Scheduler's node is killed, and it led the step queue the next message
+    goes to. The call reconnects, and the step queue nacks while it elects a leader: the
+    message goes by a smaller step (never early) instead of waiting out the election or
+    ``publish_timeout_s``."""
     settings = cluster_settings(cluster, publish_timeout_s=20)
-    victim = cluster.nodes[2]
+    step_queue = f"{settings.prefix}.step.524288"  # a delay of 600 s goes there first
     # Queues in place a while, as in a running deployment: on RabbitMQ 3.10 a quorum queue
     # whose leader was killed within a second of its declaration stayed leaderless (its
     # publishes nacked) for more than 20 s in one run.
     await declare_topology(settings)
     await asyncio.sleep(5)
-    async with hopsched.Scheduler(settings, first_url=2) as scheduler:
-        await scheduler.schedule(b"before", delay=600, routing_key="anywhere")
+    victim = await cluster.leader(step_queue)
+    index = cluster.nodes.index(victim)
+    async with hopsched.Scheduler(settings, first_url=index) as scheduler:
+        before = await scheduler.schedule(b"before", delay=600, routing_key="anywhere")
+        assert before.first_queue == step_queue
         assert scheduler.node == f"127.0.0.1:{victim.port}"
         await cluster.save_ra_directories()
         await victim.kill()
         started = time.monotonic()
         try:
-            await scheduler.schedule(b"during", delay=600, routing_key="anywhere")
+            during = await scheduler.schedule(b"during", delay=600, routing_key="anywhere")
             outcome = "failed over within the call"
         except hopsched.BrokerUnavailableError as error:
             outcome = f"raised {type(error).__name__}, then the next call worked"
-            await scheduler.schedule(b"after", delay=600, routing_key="anywhere")
+            during = await scheduler.schedule(b"after", delay=600, routing_key="anywhere")
         took = time.monotonic() - started
-        print(f"\nscheduler on the killed node: {outcome} ({took:.1f} s), now on {scheduler.node}")
+        then = time.monotonic()
+        later = await scheduler.schedule(b"later", delay=600, routing_key="anywhere")
+        print(
+            f"\nscheduler on the killed node (leader of {step_queue}): {outcome} ({took:.1f} s, "
+            f"by {during.first_queue}), now on {scheduler.node}; the next call "
+            f"{time.monotonic() - then:.2f} s by {later.first_queue}"
+        )
         assert scheduler.node not in (None, f"127.0.0.1:{victim.port}")
+        for scheduled in (during, later):  # never early: the same step or a smaller one
+            step_ms = int(scheduled.first_queue.rpartition(".")[2])
+            assert step_ms <= 524_288
     await victim.start()
