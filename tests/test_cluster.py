@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import aio_pika
 import aiormq
 import aiormq.abc
 import pytest
@@ -320,6 +321,12 @@ async def test_cluster_scheduler_on_the_killed_node_fails_over(cluster: PrivateC
     await asyncio.sleep(5)
     victim = await cluster.leader(step_queue)
     index = cluster.nodes.index(victim)
+    leaders = await cluster.nodes[(index + 1) % 3].rabbitmqctl(
+        "list_queues", "-q", "--no-table-headers", "name", "leader"
+    )
+    rows = [line.split() for line in leaders.splitlines()]
+    led = [r[0] for r in rows if r[1:] == [victim.node] and r[0].startswith(settings.prefix)]
+    print(f"\n{victim.node} leads {len(led)} of the prefix's queues, {step_queue} among them")
     try:
         async with hopsched.Scheduler(settings, first_url=index) as scheduler:
             before = await scheduler.schedule(b"before", delay=600, routing_key="anywhere")
@@ -348,6 +355,11 @@ async def test_cluster_scheduler_on_the_killed_node_fails_over(cluster: PrivateC
             for scheduled in (during, later):  # never early: the same step or a smaller one
                 step_ms = int(scheduled.first_queue.rpartition(".")[2])
                 assert step_ms <= 524_288
-    finally:  # the next test needs every node
+    finally:  # the next test needs every node, and leaders spread over them
         if not victim.is_running:
             await victim.start()
+        connection = await aio_pika.connect(cluster.urls[(index + 1) % 3])
+        try:
+            await hopsched.Topology.from_settings(settings).teardown(connection, force=True)
+        finally:
+            await connection.close()
