@@ -570,8 +570,8 @@ class Scheduler:
         if checked is None or checked.step_ms is None:
             return None  # the relay queue or the cancel stream: nothing to route around
         now = self._clock()
-        log.log(
-            logging.DEBUG if checked.step_ms in self._avoided.avoided(now) else logging.WARNING,
+        log.log(  # once as a failover starts, not for every step it takes down
+            logging.DEBUG if self._avoided.avoided(now) else logging.WARNING,
             "%s nacked a publish (a quorum leader election?): routing by smaller steps for %.0f s",
             checked.queue,
             self._avoided.for_us / 1e6,
