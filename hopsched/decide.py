@@ -19,7 +19,7 @@ once the refusals have lasted ``retry_for_us``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -185,6 +185,7 @@ class Decider:
         body: bytes,
         cancellations: Cancellations | None = None,
         rerouted: bool = False,
+        avoid: Collection[int] = (),
     ) -> Park | Cancel | Route | Wait:
         """Park, hop or hold a delivery arriving at ``now_us`` (µs since the epoch).
 
@@ -200,6 +201,8 @@ class Decider:
             cancellations: the cancels and reschedules read so far.
             rerouted: the relay routes it anew (after a ``Wait``, a nacked hop, a
                 reschedule): an early return was dealt with already.
+            avoid: steps (ms) whose queues nacked a hop lately (``AvoidedSteps``): a hop
+                goes by a smaller step instead (``Ladder.plan``), never early.
         """
         try:
             envelope = Envelope.from_headers(headers)
@@ -242,9 +245,13 @@ class Decider:
             except InvalidScheduleError as error:
                 return Park(f"the broker would refuse the final publish: {error}", ParkKind.INVALID)
         if crowded:
-            plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hold_window_ms=0)
+            plan = self.ladder.plan(
+                now_us=now_us, due_us=envelope.due_us, hold_window_ms=0, avoid=avoid
+            )
         else:
-            plan = self.ladder.plan(now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms)
+            plan = self.ladder.plan(
+                now_us=now_us, due_us=envelope.due_us, hop_margin_ms=margin_ms, avoid=avoid
+            )
         if isinstance(plan, Hold) and not verified and (forged := self._forged(envelope, body)):
             return forged
         early = None

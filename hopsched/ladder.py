@@ -7,9 +7,20 @@ duration in microseconds; step TTLs are milliseconds, as RabbitMQ's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
-__all__ = ["BROKER_MAX_TTL_MS", "MAX_HOLD_MS", "MAX_STEP_MS", "Hold", "Hop", "Ladder"]
+__all__ = [
+    "AVOID_FOR_US",
+    "BROKER_MAX_TTL_MS",
+    "MAX_HOLD_MS",
+    "MAX_STEP_MS",
+    "AvoidedSteps",
+    "Hold",
+    "Hop",
+    "Ladder",
+]
 
 #: The longest a relay may hold a delivery unacked, far below RabbitMQ's
 #: ``consumer_timeout`` (30 min by default, https://www.rabbitmq.com/docs/consumers#acknowledgement-timeout).
@@ -25,6 +36,11 @@ BROKER_MAX_TTL_MS = 315_360_000_000
 MAX_STEP_MS = 2**32
 
 US_PER_MS = 1_000
+
+#: How long a step queue that nacked a publish is routed around, µs: a quorum queue
+#: whose leader's node went down elects a new one within a few seconds (measured in
+#: ``tests/test_cluster.py``); every nack in the meantime renews it.
+AVOID_FOR_US = 5_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +137,7 @@ class Ladder:
         due_us: int,
         hold_window_ms: int | None = None,
         hop_margin_ms: int | None = None,
+        avoid: Collection[int] = (),
     ) -> Hop | Hold:
         """Decide what to do with a message due at ``due_us`` when it is ``now_us``.
 
@@ -135,6 +152,10 @@ class Ladder:
         below the top step, so the plan terminates. ``hold_window_ms`` and
         ``hop_margin_ms`` override the ladder's own (the relay passes a hold window of 0
         while it holds as many as it should, and a margin learnt from recent hops).
+
+        ``avoid``: steps (ms) to route around (``AvoidedSteps``: their queues nacked a
+        publish, a quorum leader election): the hop goes by ``detour()``, a smaller step,
+        which is never early either (it ends sooner) and only costs more hops.
         """
         remaining_us = due_us - now_us
         window_ms = self.hold_window_ms if hold_window_ms is None else hold_window_ms
@@ -145,27 +166,81 @@ class Ladder:
         if budget_ms < self.min_step_ms:
             return Hold(remaining_us)
         if budget_ms >= self.max_step_ms:
-            return Hop(self.max_step_ms)
-        return Hop(1 << (budget_ms.bit_length() - 1))
+            step_ms = self.max_step_ms
+        else:
+            step_ms = 1 << (budget_ms.bit_length() - 1)
+        return Hop(self.detour(step_ms, avoid) if avoid else step_ms)
 
-    def route(self, delay_us: int, overshoot_us: int = 0) -> list[int]:
+    def detour(self, step_ms: int, avoid: Collection[int]) -> int:
+        """The largest step at most ``step_ms`` that is not in ``avoid`` (ms).
+
+        A smaller step than planned is always a valid route: it ends before the planned
+        one would, so it is never early, and the next plan covers the rest. If every step
+        up to ``step_ms`` is avoided there is nothing shorter to go by: ``step_ms`` itself
+        (the caller tries it again after a back-off).
+        """
+        candidate = step_ms
+        while candidate >= self.min_step_ms:
+            if candidate not in avoid:
+                return candidate
+            candidate >>= 1
+        return step_ms
+
+    def route(self, delay_us: int, overshoot_us: int = 0, avoid: Collection[int] = ()) -> list[int]:
         """The steps (ms) a message with ``delay_us`` to go passes through.
 
-        Simulates the relay with every hop returning ``overshoot_us`` after its TTL.
-        Used to check a plan without waiting (e.g. for delays of years).
+        Simulates the relay with every hop returning ``overshoot_us`` after its TTL, the
+        steps in ``avoid`` routed around. Used to check a plan without waiting (e.g. for
+        delays of years).
         """
         now_us, steps = 0, []
-        while isinstance(action := self.plan(now_us=now_us, due_us=delay_us), Hop):
+        while isinstance(action := self.plan(now_us=now_us, due_us=delay_us, avoid=avoid), Hop):
             steps.append(action.step_ms)
             now_us += action.step_ms * US_PER_MS + overshoot_us
         return steps
 
-    def max_hops(self, delay_us: int) -> int:
+    def max_hops(self, delay_us: int, avoid: Collection[int] = ()) -> int:
         """An upper bound on the hops for ``delay_us``: top-step laps plus one per smaller step.
 
         With any overshoot below the margin the planner uses each step below the top at
         most once, so this bound is ``ceil(delay / max_step) + log2(max_step / min_step)``
         and for delays within the ladder about ``log2(delay / min_step) + 1``.
+
+        With the steps in ``avoid`` routed around, the top is the largest step not
+        avoided, and a step ``s`` below it is used at most ``next / s - 1`` times in a
+        row, ``next`` being the smallest step above ``s`` not avoided (once if none is
+        avoided between them); an avoided step below every other one is used at most once
+        (nothing shorter to go by).
         """
-        top_laps = -(-delay_us // (self.max_step_ms * US_PER_MS))
-        return top_laps + len(self.steps) - 1
+        allowed = [step for step in self.steps if step not in avoid]
+        if not allowed:
+            allowed = list(self.steps)  # nothing to detour by: the plain plan
+        top = allowed[-1]
+        bound = -(-delay_us // (top * US_PER_MS))
+        bound += sum(larger // smaller - 1 for smaller, larger in itertools.pairwise(allowed))
+        return bound + sum(1 for step in self.steps if step < allowed[0])
+
+
+@dataclass(slots=True)
+class AvoidedSteps:
+    """Step queues to route around for a while, with the time they may be used again.
+
+    A quorum step queue nacks (or leaves unconfirmed) every publish while it elects a
+    leader, for seconds after its leader's node went down. Noting ``nacked(step, now)``
+    keeps ``avoided(now)`` naming that step for ``for_us`` µs (renewed by each nack), so
+    the publishes after it go by a smaller step (``Ladder.plan(avoid=...)``) instead of
+    waiting for the election. Pure: the clock comes in as ``now_us``.
+    """
+
+    for_us: int = AVOID_FOR_US
+    _until: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+
+    def nacked(self, step_ms: int, now_us: int) -> None:
+        """Step ``step_ms``'s queue refused a publish at ``now_us``: avoid it a while."""
+        self._until[step_ms] = max(self._until.get(step_ms, 0), now_us + self.for_us)
+
+    def avoided(self, now_us: int) -> frozenset[int]:
+        """The steps (ms) to route around at ``now_us``."""
+        for step_ms in [s for s, until in self._until.items() if until <= now_us]:
+            del self._until[step_ms]
+        return frozenset(self._until)

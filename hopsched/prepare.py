@@ -11,9 +11,11 @@ short string at most 255 bytes of UTF-8; headers as ``validate.check_headers``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -26,7 +28,7 @@ from hopsched.amqp.wire import FRAME_OVERHEAD
 from hopsched.clock import MAX_DUE_US, datetime_to_us, timedelta_to_us
 from hopsched.envelope import PERSISTENT, Envelope, callers_headers, first_hop_properties
 from hopsched.errors import InvalidScheduleError
-from hopsched.ladder import US_PER_MS, Hop, Ladder
+from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
 from hopsched.targets import TargetPolicy
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology
 from hopsched.validate import check_expiration, check_headers, shorten
@@ -42,6 +44,7 @@ __all__ = [
     "check_schedule_id",
     "due_time_us",
     "encode_properties",
+    "reroute",
 ]
 
 #: The longest schedule id, bytes of UTF-8 (it is also the default ``message_id``, an
@@ -97,6 +100,7 @@ class Checked:
             the message goes straight to the relay.
         exchange, routing_key: where the first publish goes.
         queue: the queue that publish lands in (a step, or the relay queue).
+        step_ms: that step's TTL, ms; None for the relay queue.
     """
 
     body: bytes
@@ -107,6 +111,7 @@ class Checked:
     exchange: str
     routing_key: str
     queue: str
+    step_ms: int | None = None
 
 
 def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:
@@ -171,6 +176,7 @@ def check_request(
     login: str,
     frame_max: int,
     max_body_bytes: int = MAX_BODY_BYTES,
+    avoid: Collection[int] = (),
 ) -> Checked:
     """Check one ``schedule()`` call and plan its first hop.
 
@@ -184,6 +190,7 @@ def check_request(
         frame_max: the connection's, bytes (131,072 if not connected yet).
         max_body_bytes: the largest body to send (``Settings.max_message_size``: the
             broker's ``max_message_size``, 16 MiB by default on RabbitMQ 4.x).
+        avoid: steps (ms) to route around (``Ladder.plan``): their queues nacked lately.
 
     Raises:
         InvalidScheduleError: anything AMQP, RabbitMQ or hopsched cannot carry, naming it.
@@ -213,7 +220,7 @@ def check_request(
         raise InvalidScheduleError(f"headers: {error}") from None
     callers.headers = None  # encoded apart, above
     _check_header_size(headers, frame_max)
-    plan = ladder.plan(now_us=now_us, due_us=due_us)
+    plan = ladder.plan(now_us=now_us, due_us=due_us, avoid=avoid)
     envelope = Envelope(
         created_us=now_us,
         schedule_id=schedule_id,
@@ -224,15 +231,41 @@ def check_request(
         expiration=check_expiration(callers.expiration),
         delivery_mode=None if callers.delivery_mode == PERSISTENT else callers.delivery_mode or 0,
     )
-    if isinstance(plan, Hop):  # lets the relay measure how late the hop comes back
-        hop_expires: int | None = now_us + plan.step_ms * US_PER_MS
-        queue = topology.step_queue(plan.step_ms)
-        first = ("", queue)
-    else:
-        hop_expires = None
-        queue = topology.relay_queue
-        first = (topology.expired_exchange, DEAD_LETTER_ROUTING_KEY)
-    return Checked(body, callers, headers, envelope, hop_expires, *first, queue)
+    return Checked(body, callers, headers, envelope, *_first_publish(plan, now_us, topology))
+
+
+def reroute(
+    checked: Checked, *, now_us: int, ladder: Ladder, topology: Topology, avoid: Collection[int]
+) -> Checked:
+    """``checked`` planned anew at ``now_us`` with the steps in ``avoid`` routed around
+    (its step queue nacked it: a quorum leader election). The due time stays; the first
+    hop is the largest step that fits now and is not avoided (``Ladder.plan``), so it is
+    never early; its hop stamp is now's. Unchanged if the plan is the same queue."""
+    plan = ladder.plan(now_us=now_us, due_us=checked.envelope.due_us, avoid=avoid)
+    hop_expires_us, exchange, routing_key, queue, step_ms = _first_publish(plan, now_us, topology)
+    if queue == checked.queue:
+        return checked
+    return dataclasses.replace(
+        checked,
+        envelope=dataclasses.replace(checked.envelope, hops=1 if isinstance(plan, Hop) else 0),
+        hop_expires_us=hop_expires_us,
+        exchange=exchange,
+        routing_key=routing_key,
+        queue=queue,
+        step_ms=step_ms,
+    )
+
+
+def _first_publish(
+    plan: Hop | Hold, now_us: int, topology: Topology
+) -> tuple[int | None, str, str, str, int | None]:
+    """(hop expiry µs or None, exchange, routing key, queue, step ms or None) of a plan's
+    first publish."""
+    if isinstance(plan, Hop):  # the stamp lets the relay measure how late the hop comes back
+        step_ms = plan.step_ms
+        queue = topology.step_queue(step_ms)
+        return now_us + step_ms * US_PER_MS, "", queue, queue, step_ms
+    return None, topology.expired_exchange, DEAD_LETTER_ROUTING_KEY, topology.relay_queue, None
 
 
 def encode_properties(checked: Checked, producer: str) -> bytes:

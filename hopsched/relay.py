@@ -55,7 +55,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
 )
 from hopsched.holds import Holds
-from hopsched.ladder import US_PER_MS, Hop
+from hopsched.ladder import US_PER_MS, AvoidedSteps, Hop
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
@@ -131,6 +131,8 @@ class Relay:
             settings.signatures,
         )
         self.overshoot = OvershootTracker()
+        #: Steps whose queues nacked a hop lately (a leader election): routed around.
+        self.avoided = AvoidedSteps()
         self.cancellations = Cancellations(CANCEL_RETENTION_US)
         self.cancel_reader = CancelReader(
             self.topology.cancel_stream,
@@ -565,6 +567,7 @@ class _Session:
             body=delivery.body,
             cancellations=self.relay.cancellations,
             rerouted=bool(nacks or again),
+            avoid=self.relay.avoided.avoided(now),
         )
         if isinstance(decision, Wait):
             self._wait(delivery, decision)
@@ -740,6 +743,7 @@ class _Session:
         """Try a nacked hop again after a back-off: our own queue refusing is a quorum
         leader election (or a node down), over within seconds, not a reason to park."""
         self.stats.hop_nacks += 1
+        self.relay.avoided.nacked(step_ms, self.clock())  # later hops go by a smaller step
         wait_s = HOP_NACK_WAITS_S[nacks]
         if self.stats.first_problem(queue, "nacked: trying again after a back-off"):
             log.warning("the broker nacked a hop to %s; trying again in %.2f s", queue, wait_s)

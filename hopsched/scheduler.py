@@ -34,6 +34,7 @@ from hopsched.errors import (
     TargetRefused,
     Unroutable,
 )
+from hopsched.ladder import AvoidedSteps
 from hopsched.policies import PolicyReport
 from hopsched.policy_watch import warn_on_risk
 from hopsched.prepare import (
@@ -43,6 +44,7 @@ from hopsched.prepare import (
     check_schedule_id,
     due_time_us,
     encode_properties,
+    reroute,
 )
 from hopsched.publisher import LADDER_LANE, Publisher
 from hopsched.routes import check_route
@@ -116,6 +118,7 @@ class _Prepared:
     scheduled: Scheduled
     redeclared: bool = field(default=False)
     nacks: int = field(default=0)  # times the broker nacked it so far
+    checked: Checked | None = field(default=None)  # what it was built from (to reroute)
 
 
 #: ``schedule_many`` encodes and publishes this many, then lets the event loop send
@@ -143,8 +146,11 @@ class Scheduler:
     With several node URLs it connects to one (``first_url``: the index of the first to
     try, default random) and, after losing it, to the next that answers: a call made
     as the node goes may raise ``BrokerUnavailableError``; the next one fails over. A
-    publish the broker nacks (a quorum leader election) is sent again until
-    ``Settings.publish_timeout_s``.
+    publish a step queue nacks (a quorum leader election, after a node went down) is
+    sent again at once by a smaller step (never early: it ends sooner, and the relay
+    hops it on), and that step is avoided for ``AVOID_FOR_US`` (5 s) after its last
+    nack; a nack with no smaller step to go by (or from the relay queue) is sent again
+    with back-off until ``Settings.publish_timeout_s``.
 
     Args:
         settings: the broker, prefix and ladder.
@@ -179,6 +185,8 @@ class Scheduler:
         self._clock = clock
         self._targets = self.settings.target_policy
         self._signatures = self.settings.signatures
+        #: Steps whose queues nacked lately (a leader election): routed around a while.
+        self._avoided = AvoidedSteps()
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
@@ -527,9 +535,11 @@ class Scheduler:
     def _check(self, request: ScheduleRequest) -> Checked:
         """Check a call (``prepare.check_request``), or raise InvalidScheduleError."""
         publisher = self._publisher
+        now = self._clock()
         checked = check_request(
             request,
-            now_us=self._clock(),
+            now_us=now,
+            avoid=self._avoided.avoided(now),
             ladder=self._ladder,
             topology=self.topology,
             targets=self._targets,
@@ -550,7 +560,38 @@ class Scheduler:
             checked.routing_key,
             checked.queue,
             Scheduled(envelope.schedule_id, envelope.due_us, checked.queue),
+            checked=checked,
         )
+
+    def _detour(self, item: _Prepared) -> _Prepared | None:
+        """A nacked step publish built anew by a smaller step, its step avoided a while
+        (``AvoidedSteps``); None if there is none to go by (send it again as it is)."""
+        checked = item.checked
+        if checked is None or checked.step_ms is None:
+            return None  # the relay queue or the cancel stream: nothing to route around
+        now = self._clock()
+        log.log(  # once as a failover starts, not for every step it takes down
+            logging.DEBUG if self._avoided.avoided(now) else logging.WARNING,
+            "%s nacked a publish (a quorum leader election?): routing by smaller steps for %.0f s",
+            checked.queue,
+            self._avoided.for_us / 1e6,
+        )
+        self._avoided.nacked(checked.step_ms, now)
+        rerouted = reroute(
+            checked,
+            now_us=now,
+            ladder=self._ladder,
+            topology=self.topology,
+            avoid=self._avoided.avoided(now),
+        )
+        if rerouted is checked:
+            return None
+        try:
+            detour = self._build(rerouted)
+        except InvalidScheduleError:  # it encoded before: cannot happen; send it as it was
+            return None
+        detour.nacks = item.nacks
+        return detour
 
     async def _send(
         self, checked: Sequence[Checked | _Prepared]
@@ -644,10 +685,14 @@ class Scheduler:
                 again.append(index)
             elif outcome is amqp.Outcome.NACK:
                 # Our own step queue refused it: on a cluster, a quorum leader election
-                # (a node went down), over in seconds. Try again until publish_timeout_s.
+                # (a node went down), over in seconds. Go by a smaller step at once, or
+                # if there is none try again after a back-off until publish_timeout_s.
                 item.nacks += 1
-                nacks = max(nacks, item.nacks)
                 again.append(index)
+                if (detour := self._detour(item)) is not None:
+                    prepared[index] = detour
+                else:
+                    nacks = max(nacks, item.nacks)
             else:
                 results[index] = self._failure(item.queue, outcome, detail)
         for queue in redeclare:

@@ -59,6 +59,7 @@ def decide(
     body: bytes = b"",
     cancellations: Cancellations | None = None,
     rerouted: bool = False,
+    avoid: frozenset[int] = frozenset(),
 ) -> Park | Cancel | Route | Wait:
     return decider.decide(
         values,
@@ -69,6 +70,7 @@ def decide(
         body=body,
         cancellations=cancellations,
         rerouted=rerouted,
+        avoid=avoid,
     )
 
 
@@ -153,6 +155,31 @@ def test_a_route_never_leaves_the_message_past_its_due_time(
         assert decision.plan.step_ms * 1000 <= remaining
     else:
         assert decision.plan.wait_us == max(0, remaining)
+
+
+@given(
+    due_in_us=st.integers(-(10**12), 10**12),
+    crowded=st.booleans(),
+    margin_ms=st.integers(0, 1000),
+    avoid=st.sets(st.sampled_from(Ladder().steps), max_size=8),
+)
+def test_a_hop_around_steps_that_nacked_is_a_smaller_step_never_early(
+    due_in_us: int, crowded: bool, margin_ms: int, avoid: set[int]
+) -> None:
+    values = headers(max(due_in_us, -NOW))
+    plain = decide(values, crowded=crowded, margin_ms=margin_ms)
+    around = decide(values, crowded=crowded, margin_ms=margin_ms, avoid=frozenset(avoid))
+
+    assert isinstance(plain, Route)
+    assert isinstance(around, Route)
+    if isinstance(plain.plan, Hold):
+        assert around.plan == plain.plan
+        return
+    assert isinstance(around.plan, Hop)
+    assert around.plan.step_ms <= plain.plan.step_ms
+    assert around.plan.step_ms * 1000 <= around.envelope.due_us - NOW
+    if any(step <= plain.plan.step_ms and step not in avoid for step in Ladder().steps):
+        assert around.plan.step_ms not in avoid
 
 
 # --- a target that refuses the final publish ----------------------------------------------

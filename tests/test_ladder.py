@@ -16,7 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from hopsched.errors import InvalidSettingsError
-from hopsched.ladder import BROKER_MAX_TTL_MS, Hold, Hop, Ladder
+from hopsched.ladder import BROKER_MAX_TTL_MS, AvoidedSteps, Hold, Hop, Ladder
 
 US_PER_MS = 1_000
 MS = US_PER_MS
@@ -45,12 +45,18 @@ class Run:
 
 
 def follow_plan(
-    ladder: Ladder, due_us: int, overshoot_us: Callable[[], int], *, start_us: int = 0
+    ladder: Ladder,
+    due_us: int,
+    overshoot_us: Callable[[], int],
+    *,
+    start_us: int = 0,
+    avoid: frozenset[int] = frozenset(),
 ) -> Run:
-    """Play the relay for a message due at ``due_us``, starting at ``start_us``."""
-    limit = ladder.max_hops(max(0, due_us - start_us)) + 1
+    """Play the relay for a message due at ``due_us``, starting at ``start_us``, the
+    steps in ``avoid`` routed around."""
+    limit = ladder.max_hops(max(0, due_us - start_us), avoid) + 1
     now, hops = start_us, []
-    while isinstance(action := ladder.plan(now_us=now, due_us=due_us), Hop):
+    while isinstance(action := ladder.plan(now_us=now, due_us=due_us, avoid=avoid), Hop):
         hops.append((now, action.step_ms))
         assert len(hops) <= limit, f"no Hold after {len(hops)} hops: {hops[-5:]}"
         now += action.step_ms * US_PER_MS + overshoot_us()
@@ -493,3 +499,115 @@ def test_valid_edge_ladders_are_accepted(kwargs: dict[str, int]) -> None:
 
     assert ladder.steps[0] == ladder.min_step_ms
     assert ladder.steps[-1] == ladder.max_step_ms
+
+
+# --- routing around steps (a step queue electing a leader nacks) -------------------------
+
+
+@st.composite
+def avoided_steps(draw: st.DrawFn, ladder: Ladder) -> frozenset[int]:
+    """Some of the ladder's steps, the top one and runs of neighbours included."""
+    return frozenset(draw(st.sets(st.sampled_from(ladder.steps), max_size=6)))
+
+
+@given(
+    ladder=ladders(),
+    now_us=st.integers(0, 2**60),
+    remaining_us=st.integers(-(2**40), 2**45),
+    data=st.data(),
+)
+def test_a_plan_around_avoided_steps_takes_the_largest_other_step_never_a_larger_one(
+    ladder: Ladder, now_us: int, remaining_us: int, data: st.DataObject
+) -> None:
+    avoid = data.draw(avoided_steps(ladder))
+
+    planned = ladder.plan(now_us=now_us, due_us=now_us + remaining_us)
+    around = ladder.plan(now_us=now_us, due_us=now_us + remaining_us, avoid=avoid)
+
+    if isinstance(planned, Hold):
+        assert around == planned  # holds and deliveries are never moved
+        return
+    assert isinstance(around, Hop)
+    assert around.step_ms in ladder.steps
+    assert around.step_ms <= planned.step_ms  # ends no later: never early
+    shorter = [step for step in ladder.steps if step <= planned.step_ms and step not in avoid]
+    if shorter:
+        assert around.step_ms == max(shorter)
+    else:  # nothing shorter to go by: the planned step, tried again
+        assert around == planned
+
+
+@given(case=ladder_and_delay(min_margin_ms=1), start_us=st.integers(0, 2**60), data=st.data())
+def test_following_a_plan_around_avoided_steps_is_never_early_and_bounded(
+    case: tuple[Ladder, int], start_us: int, data: st.DataObject
+) -> None:
+    ladder, delay_us = case
+    avoid = data.draw(avoided_steps(ladder))
+    assume(ladder.max_hops(max(0, delay_us), avoid) <= 20_000)  # a simulation to run here
+    margin_us = ladder.hop_margin_ms * US_PER_MS
+    due_us = start_us + delay_us
+
+    run = follow_plan(
+        ladder,
+        due_us,
+        lambda: data.draw(st.integers(0, margin_us - 1)),
+        start_us=start_us,
+        avoid=avoid,
+    )
+
+    for published_us, step_ms in run.hops:
+        assert step_ms * US_PER_MS <= due_us - published_us - margin_us
+    assert len(run.hops) <= ladder.max_hops(max(0, delay_us), avoid)
+    assert run.hold.wait_us == max(0, due_us - run.arrival_us)
+    assert run.delivered_us >= due_us
+
+
+@given(case=ladder_and_delay(), overshoot_us=st.integers(0, 60 * SECOND), data=st.data())
+def test_a_route_around_avoided_steps_terminates_for_any_constant_overshoot(
+    case: tuple[Ladder, int], overshoot_us: int, data: st.DataObject
+) -> None:
+    ladder, delay_us = case
+    avoid = data.draw(avoided_steps(ladder))
+    assume(ladder.max_hops(max(0, delay_us), avoid) <= 20_000)
+
+    steps = ladder.route(delay_us, overshoot_us, avoid)
+
+    assert len(steps) <= ladder.max_hops(max(0, delay_us), avoid)
+    assert sum(steps) * US_PER_MS <= max(0, delay_us)
+
+
+@given(case=ladder_and_delay())
+def test_max_hops_without_avoided_steps_is_the_plain_bound(case: tuple[Ladder, int]) -> None:
+    ladder, delay_us = case
+    delay_us = max(0, delay_us)
+    top_laps = -(-delay_us // (ladder.max_step_ms * US_PER_MS))
+
+    assert ladder.max_hops(delay_us) == top_laps + len(ladder.steps) - 1
+    assert ladder.max_hops(delay_us, frozenset()) == ladder.max_hops(delay_us)
+
+
+def test_a_route_around_one_step_takes_the_next_smaller_one_twice() -> None:
+    ladder = Ladder(min_step_ms=16, max_step_ms=2**20, hold_window_ms=4000, hop_margin_ms=20)
+    plain = [524_288, 65_536, 4096, 2048, 1024]
+
+    assert ladder.route(600 * SECOND) == plain
+    assert ladder.route(600 * SECOND, avoid={524_288}) == [262_144, 262_144, *plain[1:]]
+    assert ladder.route(600 * SECOND, avoid={16, 1024}) == [*plain[:-1], 512]
+
+
+@given(
+    nacks=st.lists(st.tuples(st.sampled_from([16, 1024, 524_288]), st.integers(0, 60 * SECOND))),
+    later_us=st.integers(0, 120 * SECOND),
+    for_us=st.integers(1, 30 * SECOND),
+)
+def test_a_nacked_step_is_avoided_for_a_while_after_its_last_nack(
+    nacks: list[tuple[int, int]], later_us: int, for_us: int
+) -> None:
+    memory = AvoidedSteps(for_us)
+    nacks.sort(key=lambda nack: nack[1])  # the clock goes forward
+    for step_ms, at_us in nacks:
+        memory.nacked(step_ms, at_us)
+    now_us = (nacks[-1][1] if nacks else 0) + later_us
+
+    last = {step_ms: at_us for step_ms, at_us in nacks}
+    assert memory.avoided(now_us) == {s for s, at_us in last.items() if now_us < at_us + for_us}

@@ -24,6 +24,7 @@ from hopsched.prepare import (
     ScheduleRequest,
     check_request,
     encode_properties,
+    reroute,
 )
 
 NOW_US = 1_800_000_000_000_000
@@ -220,3 +221,48 @@ def test_any_property_or_header_gives_a_message_or_an_invalid_schedule_error(
     decoded = amqp.Properties.decode(encoded)  # what it accepted, it encoded
     if properties.get("priority") is not None:
         assert decoded.priority == properties["priority"]
+
+
+# --- routing a nacked first hop around its step -----------------------------------------
+
+
+def checked_for(delay_s: float, avoid: frozenset[int] = frozenset()) -> Any:
+    return check_request(
+        ScheduleRequest(b"body", "q", delay=delay_s),
+        now_us=NOW_US,
+        ladder=SETTINGS.ladder,
+        topology=TOPOLOGY,
+        targets=SETTINGS.target_policy,
+        login=SETTINGS.login,
+        frame_max=131_072,
+        avoid=avoid,
+    )
+
+
+def test_a_first_hop_rerouted_around_its_step_goes_by_the_next_smaller_one() -> None:
+    checked = checked_for(600)
+    later_us = NOW_US + 300_000  # the nack came 0.3 s later
+
+    rerouted = reroute(
+        checked, now_us=later_us, ladder=SETTINGS.ladder, topology=TOPOLOGY, avoid={524_288}
+    )
+
+    assert (checked.queue, checked.step_ms) == ("p.step.524288", 524_288)
+    assert (rerouted.queue, rerouted.routing_key, rerouted.step_ms) == (
+        "p.step.262144",
+        "p.step.262144",
+        262_144,
+    )
+    assert rerouted.hop_expires_us == later_us + 262_144_000  # its own step's stamp
+    assert rerouted.envelope == checked.envelope  # the same due time, id and target
+    assert checked_for(600, frozenset({524_288})).queue == "p.step.262144"
+
+
+def test_a_reroute_with_nothing_smaller_to_go_by_keeps_the_call_as_it_was() -> None:
+    checked = checked_for(10)  # by step 4096 first
+    steps = frozenset(step for step in SETTINGS.ladder.steps if step <= checked.step_ms)
+
+    assert (
+        reroute(checked, now_us=NOW_US, ladder=SETTINGS.ladder, topology=TOPOLOGY, avoid=steps)
+        is checked
+    )
