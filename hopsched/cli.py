@@ -409,7 +409,13 @@ def cancel(
             return await scheduler.cancel_many(schedule_ids)
 
     for result in _run(go()):
-        click.echo(f"cancelled {result.schedule_id}")
+        click.echo(f"cancel recorded {result.schedule_id}")
+    # Nothing lists the schedules that exist, so the command cannot say more than this.
+    click.echo(
+        "a message of each id scheduled before now will not be delivered, if one is pending; "
+        "an id nothing is pending for is not an error",
+        err=True,
+    )
 
 
 @main.command()
@@ -438,7 +444,14 @@ def reschedule(
             return await scheduler.reschedule(schedule_id, at=at, delay=delay)
 
     result = _run(go())
-    click.echo(f"rescheduled {result.schedule_id} due {result.due.isoformat()}")
+    click.echo(f"reschedule recorded {result.schedule_id} due {result.due.isoformat()}")
+    click.echo(
+        "a later due time holds; an earlier one holds only if the message comes back to a "
+        "relay by then (each hop waits on the largest step that fits its remaining delay): "
+        "otherwise it is delivered when it comes back, never early. `hopsched status` shows "
+        "the steps in use",
+        err=True,
+    )
 
 
 @main.command()

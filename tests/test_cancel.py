@@ -206,10 +206,12 @@ async def test_the_cli_cancels_and_reschedules(
         "reschedule", schedule_id, "--in", "4s", settings=settings
     )
     assert status == 0, err
-    assert out.startswith(f"rescheduled {schedule_id} due ")
+    assert out.startswith(f"reschedule recorded {schedule_id} due ")
+    assert "an earlier one holds only if" in err
     status, out, err = await hopsched_cli("cancel", schedule_id, "other-id", settings=settings)
     assert status == 0, err
-    assert out.splitlines() == [f"cancelled {schedule_id}", "cancelled other-id"]
+    assert out.splitlines() == [f"cancel recorded {schedule_id}", "cancel recorded other-id"]
+    assert "if one is pending" in err
     started = time.monotonic()
     await until(lambda: relay.stats.cancelled == 1, within=30)
     await asyncio.sleep(max(0.0, 5 - (time.monotonic() - started)))
