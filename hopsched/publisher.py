@@ -323,6 +323,10 @@ class Publisher:
         elif channel is not None and lane.idle:
             self._idle.pop(lane.key, None)
             self._idle[lane.key] = lane  # the most recently used last
+        while self._wanting and self._channels < self._max_lanes:  # a channel was closed
+            waiting = self._wanting.popleft()
+            waiting.wanting = False
+            self._open(waiting)
         while self._blocked and self._unconfirmed < self._window:
             blocked = self._blocked.popleft()
             blocked.blocked = False
