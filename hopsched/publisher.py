@@ -22,7 +22,11 @@ Lanes never need more channels than the connection has (its negotiated
 publisher keeps ``max_lanes`` channels at most. A lane that needs one takes a free
 number, else the channel of the least recently used idle lane, else it waits for the
 next lane whose publishes are all confirmed; a lane's turn on a channel ends once its
-publishes are confirmed while others wait, so none waits for ever. With ``window``,
+publishes are confirmed while others wait, so none waits for ever. Lanes the broker
+has confirmed a publish of go first, for a channel and for room in the window (every
+``_UNPROVEN_TURN``-th turn goes to the others): thousands of lanes to missing
+exchanges, each refused at its first publish, do not hold back a healthy target's.
+With ``window``,
 at most that many publishes are sent and unconfirmed at once, all lanes together:
 what a crash of the publishing process can duplicate.
 """
@@ -54,6 +58,12 @@ _REOPEN_MAX_S = 5.0
 #: Channels of a connection a publisher leaves to others (a consumer, the cancel reader).
 _RESERVED_CHANNELS = 8
 _CLOSE_TIMEOUT_S = 5.0  # a broker blocking the connection (an alarm) answers nothing
+#: Of the turns on a channel, one in this many goes to a lane never confirmed, while
+#: confirmed ones wait too: they come first, but the others are never starved.
+_UNPROVEN_TURN = 4
+#: Lanes remembered as confirmed (most recently confirmed kept): enough for every
+#: target a relay keeps busy.
+_PROVEN_KEPT = 4096
 
 
 def target_lane(exchange: str) -> str:
@@ -129,10 +139,11 @@ class Publisher:
         self._max_lanes = max(1, min(max_lanes, connection.channel_max - _RESERVED_CHANNELS))
         self._channels = 0  # lanes with a channel or opening one
         self._idle: dict[str, _Lane] = {}  # lanes with a channel and no work, oldest first
-        self._wanting: deque[_Lane] = deque()
+        self._wanting = _Turns()
+        self._proven: dict[str, None] = {}  # lanes with a confirmed publish, oldest first
         self._window = window if window is not None else math.inf
         self._unconfirmed = 0
-        self._blocked: deque[_Lane] = deque()
+        self._blocked = _Turns()
         self._purge_at = 2 * self._max_lanes
         self._ids = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -257,7 +268,7 @@ class Publisher:
                 self._resume(lane)
                 return
         lane.wanting = True
-        self._wanting.append(lane)
+        self._wanting.append(lane, lane.key in self._proven)
 
     async def _open_channel(self, lane: _Lane) -> None:
         delay = _REOPEN_DELAY_S
@@ -300,7 +311,7 @@ class Publisher:
             if self._unconfirmed >= self._window:
                 if not lane.blocked:
                     lane.blocked = True
-                    self._blocked.append(lane)
+                    self._blocked.append(lane, lane.key in self._proven)
                 return
             self._send(lane, lane.waiting.popleft())
 
@@ -316,7 +327,7 @@ class Publisher:
             following.channel, lane.channel = channel, None
             if lane.waiting:
                 lane.wanting = True
-                self._wanting.append(lane)
+                self._wanting.append(lane, lane.key in self._proven)
             self._resume(following)
         elif lane.waiting and not self._wanting:
             self._resume(lane)  # what waited for others' turns
@@ -380,6 +391,10 @@ class Publisher:
             self._resume(lane)
             self._turn_over(lane)
             return
+        if outcome is amqp.Outcome.ACK and lane.key not in self._proven:
+            self._proven[lane.key] = None
+            if len(self._proven) > _PROVEN_KEPT:
+                del self._proven[next(iter(self._proven))]
         item.callback(outcome, detail)
         self._turn_over(lane)
 
@@ -436,3 +451,31 @@ class Publisher:
 
 def _forgettable(lane: _Lane) -> bool:
     return lane.idle and lane.channel is None and not (lane.opening or lane.wanting)
+
+
+class _Turns:
+    """Lanes waiting for a channel or for room in the window, in order, those with a
+    confirmed publish first but for every ``_UNPROVEN_TURN``-th turn."""
+
+    __slots__ = ("_others", "_proven", "_turns")
+
+    def __init__(self) -> None:
+        self._proven: deque[_Lane] = deque()
+        self._others: deque[_Lane] = deque()
+        self._turns = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._proven or self._others)
+
+    def append(self, lane: _Lane, proven: bool) -> None:
+        (self._proven if proven else self._others).append(lane)
+
+    def popleft(self) -> _Lane:
+        self._turns += 1
+        if self._others and (not self._proven or self._turns % _UNPROVEN_TURN == 0):
+            return self._others.popleft()
+        return self._proven.popleft()
+
+    def clear(self) -> None:
+        self._proven.clear()
+        self._others.clear()
