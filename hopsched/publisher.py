@@ -16,6 +16,19 @@ channels until the one the broker refuses again is found. That one alone ends
 ``CLOSED`` with the broker's reply; the others end as the broker confirms them
 (possibly a second copy of one that had reached its queue: consumers de-duplicate on
 ``x-hopsched-id``). Publishes made meanwhile wait their turn.
+
+Lanes never need more channels than the connection has (its negotiated
+``channel_max``, 2,047 by default on RabbitMQ), however many targets are busy: a
+publisher keeps ``max_lanes`` channels at most. A lane that needs one takes a free
+number, else the channel of the least recently used idle lane, else it waits for the
+next lane whose publishes are all confirmed; a lane's turn on a channel ends once its
+publishes are confirmed while others wait, so none waits for ever. Lanes the broker
+has confirmed a publish of go first, for a channel and for room in the window (every
+``_UNPROVEN_TURN``-th turn goes to the others): thousands of lanes to missing
+exchanges, each refused at its first publish, do not hold back a healthy target's.
+With ``window``,
+at most that many publishes are sent and unconfirmed at once, all lanes together:
+what a crash of the publishing process can duplicate.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import deque
 from typing import Any
@@ -40,7 +54,16 @@ log = logging.getLogger("hopsched.publisher")
 LADDER_LANE = "ladder"
 _BASIC_PUBLISH = (60, 40)
 _REOPEN_DELAY_S = 0.1
+_REOPEN_MAX_S = 5.0
+#: Channels of a connection a publisher leaves to others (a consumer, the cancel reader).
+_RESERVED_CHANNELS = 8
 _CLOSE_TIMEOUT_S = 5.0  # a broker blocking the connection (an alarm) answers nothing
+#: Of the turns on a channel, one in this many goes to a lane never confirmed, while
+#: confirmed ones wait too: they come first, but the others are never starved.
+_UNPROVEN_TURN = 4
+#: Lanes remembered as confirmed (most recently confirmed kept): enough for every
+#: target a relay keeps busy.
+_PROVEN_KEPT = 4096
 
 
 def target_lane(exchange: str) -> str:
@@ -68,6 +91,7 @@ class _Item:
 
 class _Lane:
     __slots__ = (
+        "blocked",
         "channel",
         "in_flight",
         "key",
@@ -76,12 +100,15 @@ class _Lane:
         "probing",
         "suspects",
         "waiting",
+        "wanting",
     )
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.channel: amqp.Channel | None = None
         self.opening = False
+        self.wanting = False  # in Publisher._wanting: waits for a channel
+        self.blocked = False  # in Publisher._blocked: waits for the window
         self.waiting: deque[_Item] = deque()
         self.in_flight: dict[int, _Item] = {}
         self.suspects: deque[_Item] = deque()
@@ -97,17 +124,40 @@ class Publisher:
     """Publishes on ``connection`` with publisher confirms and ``mandatory`` set.
 
     Args:
-        max_lanes: channels it keeps open at most; the least recently used idle lane
-            is closed to open another.
+        max_lanes: channels it keeps at most (never more than the connection's
+            ``channel_max`` less 8 for others, at least 1); lanes beyond take turns
+            (see the module's doc).
+        window: publishes sent and not yet confirmed at most, all lanes together (None:
+            no limit); the rest wait in order.
     """
 
-    def __init__(self, connection: amqp.Connection, *, max_lanes: int = 512) -> None:
+    def __init__(
+        self, connection: amqp.Connection, *, max_lanes: int = 512, window: int | None = None
+    ) -> None:
         self.connection = connection
         self._lanes: dict[str, _Lane] = {}
-        self._max_lanes = min(max_lanes, connection.channel_max - 8)
+        self._max_lanes = max(1, min(max_lanes, connection.channel_max - _RESERVED_CHANNELS))
+        self._channels = 0  # lanes with a channel or opening one
+        self._idle: dict[str, _Lane] = {}  # lanes with a channel and no work, oldest first
+        self._wanting = _Turns()
+        self._proven: dict[str, None] = {}  # lanes with a confirmed publish, oldest first
+        self._window = window if window is not None else math.inf
+        self._unconfirmed = 0
+        self._blocked = _Turns()
+        self._purge_at = 2 * self._max_lanes
         self._ids = 0
         self._tasks: set[asyncio.Task[None]] = set()
         connection.closed.add_done_callback(self._connection_closed)
+
+    @property
+    def unconfirmed(self) -> int:
+        """Publishes sent and not yet confirmed (at most ``window``)."""
+        return self._unconfirmed
+
+    @property
+    def channels(self) -> int:
+        """Channels its lanes hold or are opening (at most ``max_lanes``)."""
+        return self._channels
 
     @property
     def in_flight(self) -> int:
@@ -145,26 +195,26 @@ class Publisher:
         item = _Item(exchange, routing_key, body, properties, callback)
         state = self._lanes.get(lane) or self._new_lane(lane)
         state.last_used = time.monotonic()
-        channel = state.channel
-        if (
-            channel is not None
-            and channel.is_open
-            and not state.waiting
-            and not state.suspects
-            and state.probing is None
-        ):
-            self._send(state, item)
-        else:
-            state.waiting.append(item)
-            self._open(state)
+        self._idle.pop(lane, None)
+        state.waiting.append(item)
+        if state.in_flight and self._wanting:
+            return  # its turn ends once these are confirmed: then others have theirs
+        self._resume(state)
 
     def open(self, lane: str) -> None:
-        """Open ``lane``'s channel now, in the background, if it is not open: a publish
-        held for a due time then finds it ready (opening one takes two round trips)."""
+        """Open ``lane``'s channel now, in the background, if it has none and a channel
+        is free: a publish held for a due time then finds it ready (opening one takes
+        two round trips)."""
         state = self._lanes.get(lane)
         if state is None:
             state = self._new_lane(lane)
-        if state.channel is None and not self.connection.closed.done():
+        if (
+            state.channel is None
+            and not state.opening
+            and not state.wanting
+            and self._channels < self._max_lanes
+            and not self.connection.closed.done()
+        ):
             self._open(state)
 
     async def close(self) -> None:
@@ -175,15 +225,10 @@ class Publisher:
     # --- lanes -----------------------------------------------------------------------------
 
     def _new_lane(self, key: str) -> _Lane:
-        if len(self._lanes) >= self._max_lanes:
-            idle = sorted(
-                (lane for lane in self._lanes.values() if lane.idle and not lane.opening),
-                key=lambda lane: lane.last_used,
-            )
-            for lane in idle[: max(1, len(self._lanes) - self._max_lanes + 1)]:
-                del self._lanes[lane.key]
-                if lane.channel is not None:
-                    self._spawn(asyncio.wait_for(lane.channel.close(), _CLOSE_TIMEOUT_S))
+        if len(self._lanes) >= self._purge_at:  # forget lanes with neither channel nor work
+            for old in [lane for lane in self._lanes.values() if _forgettable(lane)]:
+                del self._lanes[old.key]
+            self._purge_at = 2 * max(self._max_lanes, len(self._lanes))
         lane = _Lane(key)
         self._lanes[key] = lane
         return lane
@@ -191,33 +236,70 @@ class Publisher:
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._reaped)
+
+    def _reaped(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("a publisher task failed", exc_info=error)  # retrieved, said
+
+    def _drop_channel(self, lane: _Lane) -> None:
+        """``lane``'s channel is closed: its number is free again."""
+        if lane.channel is not None:
+            lane.channel = None
+            self._channels -= 1
+            self._idle.pop(lane.key, None)
 
     def _open(self, lane: _Lane) -> None:
-        if not lane.opening:
+        """Give ``lane`` a channel: a new one if a number is free, else the least
+        recently used idle lane's, else its turn after the lanes already waiting."""
+        if lane.opening or lane.wanting or self.connection.closed.done():
+            return
+        if self._channels < self._max_lanes:
             lane.opening = True
+            self._channels += 1
             self._spawn(self._open_channel(lane))
+            return
+        while self._idle:
+            idle = self._idle.pop(next(iter(self._idle)))
+            if idle.channel is not None and idle.channel.is_open and idle.idle:
+                lane.channel, idle.channel = idle.channel, None
+                del self._lanes[idle.key]
+                self._resume(lane)
+                return
+        lane.wanting = True
+        self._wanting.append(lane, lane.key in self._proven)
 
     async def _open_channel(self, lane: _Lane) -> None:
+        delay = _REOPEN_DELAY_S
         while True:
+            channel: amqp.Channel | None = None
             try:
                 channel = await self.connection.channel()
                 await channel.confirm_select()
                 break
             except BrokerConnectionLost as error:
                 lane.opening = False
+                self._channels -= 1
                 self._fail(lane, error)
                 return
-            except ChannelClosedError as error:  # not a publish's doing: try again
+            except Exception as error:  # not a publish's doing (a channel error, no
+                # number free: another user of the connection took it): try again
                 log.warning("opening a channel for lane %s failed (%s)", lane.key, error)
-                await asyncio.sleep(_REOPEN_DELAY_S)
+                if channel is not None and channel.is_open:
+                    self._spawn(asyncio.wait_for(channel.close(), _CLOSE_TIMEOUT_S))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _REOPEN_MAX_S)
         lane.opening = False
         lane.channel = channel
         self._resume(lane)
+        self._turn_over(lane)
 
     def _resume(self, lane: _Lane) -> None:
-        """Send what waits: suspects one at a time first, then the rest pipelined."""
+        """Send what waits: suspects one at a time first, then the rest pipelined, as
+        far as the window allows."""
         if lane.channel is None or not lane.channel.is_open:
+            self._drop_channel(lane)
             if lane.suspects or lane.waiting:
                 self._open(lane)
             return
@@ -226,13 +308,47 @@ class Publisher:
                 self._probe(lane)
             return
         while lane.waiting and lane.channel is not None and not lane.suspects:
+            if self._unconfirmed >= self._window:
+                if not lane.blocked:
+                    lane.blocked = True
+                    self._blocked.append(lane, lane.key in self._proven)
+                return
             self._send(lane, lane.waiting.popleft())
+
+    def _turn_over(self, lane: _Lane) -> None:
+        """After a publish on ``lane`` settled: once none is in flight, hand its channel
+        to the next lane waiting for one (it queues again for what it still has), or
+        note it idle; then let the window's next publishes go."""
+        channel = lane.channel
+        settled = not (lane.in_flight or lane.suspects or lane.probing)
+        if channel is not None and channel.is_open and settled and self._wanting:
+            following = self._wanting.popleft()
+            following.wanting = False
+            following.channel, lane.channel = channel, None
+            if lane.waiting:
+                lane.wanting = True
+                self._wanting.append(lane, lane.key in self._proven)
+            self._resume(following)
+        elif lane.waiting and not self._wanting:
+            self._resume(lane)  # what waited for others' turns
+        elif channel is not None and lane.idle:
+            self._idle.pop(lane.key, None)
+            self._idle[lane.key] = lane  # the most recently used last
+        while self._wanting and self._channels < self._max_lanes:  # a channel was closed
+            waiting = self._wanting.popleft()
+            waiting.wanting = False
+            self._open(waiting)
+        while self._blocked and self._unconfirmed < self._window:
+            blocked = self._blocked.popleft()
+            blocked.blocked = False
+            self._resume(blocked)
 
     def _send(self, lane: _Lane, item: _Item) -> None:
         assert lane.channel is not None
         self._ids += 1
         key = self._ids
         lane.in_flight[key] = item
+        self._unconfirmed += 1
         try:
             lane.channel.publish(
                 item.exchange,
@@ -244,7 +360,8 @@ class Publisher:
         except (ChannelClosedError, BrokerConnectionLost):
             # closed by the broker after the check above: wait for a fresh channel
             lane.in_flight.pop(key, None)
-            lane.channel = None
+            self._unconfirmed -= 1
+            self._drop_channel(lane)
             lane.waiting.appendleft(item)
             self._open(lane)
 
@@ -252,10 +369,12 @@ class Publisher:
         item = lane.in_flight.pop(key, None)
         if item is None:
             return  # already a suspect
+        self._unconfirmed -= 1
         if outcome is amqp.Outcome.CLOSED and isinstance(detail, ChannelClosedError):
             suspects = [item, *lane.in_flight.values()]
+            self._unconfirmed -= len(lane.in_flight)
             lane.in_flight.clear()
-            lane.channel = None
+            self._drop_channel(lane)
             if (detail.class_id, detail.method_id) != _BASIC_PUBLISH:
                 lane.waiting.extendleft(reversed(suspects))  # not a publish's fault
             elif len(suspects) == 1 and not lane.suspects:
@@ -270,8 +389,14 @@ class Publisher:
                 )
                 lane.suspects.extend(suspects)
             self._resume(lane)
+            self._turn_over(lane)
             return
+        if outcome is amqp.Outcome.ACK and lane.key not in self._proven:
+            self._proven[lane.key] = None
+            if len(self._proven) > _PROVEN_KEPT:
+                del self._proven[next(iter(self._proven))]
         item.callback(outcome, detail)
+        self._turn_over(lane)
 
     # --- suspects --------------------------------------------------------------------------
 
@@ -290,13 +415,13 @@ class Publisher:
         except (ChannelClosedError, BrokerConnectionLost):
             lane.probing = None
             lane.suspects.appendleft(item)
-            lane.channel = None
+            self._drop_channel(lane)
             self._open(lane)
 
     def _probed(self, lane: _Lane, item: _Item, outcome: amqp.Outcome, detail: Any) -> None:
         lane.probing = None
         if outcome is amqp.Outcome.CLOSED and isinstance(detail, ChannelClosedError):
-            lane.channel = None
+            self._drop_channel(lane)
             if (detail.class_id, detail.method_id) != _BASIC_PUBLISH:
                 lane.suspects.appendleft(item)  # not its fault: try it again
                 self._resume(lane)
@@ -304,6 +429,7 @@ class Publisher:
         item.callback(outcome, detail)
         if not isinstance(detail, BrokerConnectionLost):
             self._resume(lane)
+            self._turn_over(lane)
 
     # --- connection loss -------------------------------------------------------------------
 
@@ -316,5 +442,40 @@ class Publisher:
 
     def _connection_closed(self, closed: asyncio.Future[BrokerConnectionLost]) -> None:
         error = closed.result()
+        self._wanting.clear()
+        self._blocked.clear()
         for lane in self._lanes.values():
+            lane.wanting = lane.blocked = False
             self._fail(lane, error)
+
+
+def _forgettable(lane: _Lane) -> bool:
+    return lane.idle and lane.channel is None and not (lane.opening or lane.wanting)
+
+
+class _Turns:
+    """Lanes waiting for a channel or for room in the window, in order, those with a
+    confirmed publish first but for every ``_UNPROVEN_TURN``-th turn."""
+
+    __slots__ = ("_others", "_proven", "_turns")
+
+    def __init__(self) -> None:
+        self._proven: deque[_Lane] = deque()
+        self._others: deque[_Lane] = deque()
+        self._turns = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._proven or self._others)
+
+    def append(self, lane: _Lane, proven: bool) -> None:
+        (self._proven if proven else self._others).append(lane)
+
+    def popleft(self) -> _Lane:
+        self._turns += 1
+        if self._others and (not self._proven or self._turns % _UNPROVEN_TURN == 0):
+            return self._others.popleft()
+        return self._proven.popleft()
+
+    def clear(self) -> None:
+        self._proven.clear()
+        self._others.clear()

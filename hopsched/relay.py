@@ -311,7 +311,10 @@ class Relay:
     async def _report_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.settings.log_interval_s)
-            self._report()
+            try:
+                self._report()
+            except Exception:  # a bug must not end the reports unseen
+                log.exception("the relay's report failed")
 
     def _held_now(self) -> int:
         return len(self._session.holds) if self._session is not None else 0
@@ -808,6 +811,8 @@ class _Session:
                 self._hop(delivery, envelope, decision.step_ms, retry=True)
             elif isinstance(detail, ChannelClosedError):
                 self._park(delivery, Park(_refused(detail, envelope.exchange), ParkKind.REFUSED))
+            elif not isinstance(detail, BrokerConnectionLost):  # never left unsettled
+                self._park(delivery, Park(f"cannot publish it: {detail!r}", ParkKind.REFUSED))
             # else: the connection is gone; unacked, the broker delivers it again
 
         self._publish(
@@ -935,8 +940,13 @@ class _Session:
             log.warning("queue %s is missing; declaring it again", queue)
             pending = asyncio.ensure_future(self._declare([queue]))
             self._redeclaring[queue] = pending
-            pending.add_done_callback(lambda _: self._redeclaring.pop(queue, None))
+            pending.add_done_callback(functools.partial(self._redeclared, queue))
         pending.add_done_callback(lambda _: then())
+
+    def _redeclared(self, queue: str, declared: asyncio.Future[None]) -> None:
+        self._redeclaring.pop(queue, None)
+        if not declared.cancelled() and (error := declared.exception()) is not None:
+            log.warning("declaring %s again failed (%s)", queue, error)  # then: parked
 
 
 def _held_size(delivery: amqp.Delivery) -> int:

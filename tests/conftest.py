@@ -5,13 +5,17 @@ whatever the tests do to it besides AMQP goes through ``HOPSCHED_TEST_RABBITMQCT
 (``support.rabbitmqctl``). If it cannot be reached, every test that needs it fails with
 a clear message; none is skipped. Each test gets its own prefix and deletes every queue
 and exchange it made; at the end of the run, anything a test left on the broker (a
-queue, exchange, user, vhost or policy) fails the run (``leftovers.py``).
+queue, exchange, user, vhost or policy) fails the run (``leftovers.py``). A test during
+which asyncio logs "Task exception was never retrieved" (a task that failed with nobody
+awaiting it: its work silently stopped) fails at its teardown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +35,36 @@ import hopsched
 #: What this run leaves on the test broker, checked once the run ends.
 LEFTOVERS = LeftoverCheck(rabbitmqctl_command())
 _LEFTOVER_REPORT: list[str] = []
+
+
+class _NeverRetrieved(logging.Handler):
+    """Keeps asyncio's "Task (or Future) exception was never retrieved" reports."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.reports: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "exception was never retrieved" in record.getMessage():
+            self.reports.append(logging.Formatter().format(record))
+
+
+NEVER_RETRIEVED = _NeverRetrieved()
+logging.getLogger("asyncio").addHandler(NEVER_RETRIEVED)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Fail a test at its teardown if a task failed unawaited meanwhile (asyncio says so
+    when the task is collected: collect now)."""
+    if call.when == "teardown":
+        gc.collect()
+    report = yield
+    if call.when == "teardown" and NEVER_RETRIEVED.reports:
+        reports, NEVER_RETRIEVED.reports = NEVER_RETRIEVED.reports, []
+        report.outcome = "failed"
+        report.longrepr = "asyncio: a task failed with nobody awaiting it:\n" + "\n".join(reports)
+    return report
 
 
 def _probe(url: str) -> str | None:
@@ -71,6 +105,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if LEFTOVERS.command is None and os.environ.get("CI") == "true":
         passed = False
         lines = [*lines, "FAILED: CI must check what the tests leave on the broker"]
+    if NEVER_RETRIEVED.reports:  # after the last teardown
+        passed = False
+        lines = [*lines, "FAILED: a task failed with nobody awaiting it", *NEVER_RETRIEVED.reports]
     _LEFTOVER_REPORT[:] = lines
     if not passed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -172,6 +172,8 @@ async def relay_processes() -> AsyncIterator[Callable[..., Awaitable[RelayProces
     yield start
     for relay in started:
         await relay.close()
+    unawaited = [line for relay in started for line in relay.lines if "never retrieved" in line]
+    assert not unawaited, f"a relay task failed with nobody awaiting it: {unawaited}"
 
 
 @dataclass
