@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,6 +63,28 @@ async def cluster() -> AsyncIterator[PrivateCluster]:
         yield formed
         memory._task.cancel()
         print(f"\ncluster peak memory (3 nodes together): {memory.peak / 2**20:.0f} MiB")
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def every_node_running_after(cluster: PrivateCluster) -> AsyncIterator[None]:
+    """Each test leaves every node running, also when it fails: a node a failed test left
+    down would fail the next test for no fault of its own ("node ... is not running")."""
+    yield
+    for node in cluster.nodes:
+        if not node.is_running:
+            await node.start()
+
+
+async def dead_letter_resend_s(cluster: PrivateCluster) -> float:
+    """The cluster's ``dead_letter_worker_publisher_confirm_timeout``, s: a dead-letter a
+    step queue's at-least-once worker had in flight to a relay queue leader that died is
+    sent again only after it (https://www.rabbitmq.com/docs/quorum-queues#dead-lettering;
+    180 s by default): the longest a message is late for a kill, not lost."""
+    out = await cluster.running()[0].rabbitmqctl(
+        "eval", "application:get_env(rabbit, dead_letter_worker_publisher_confirm_timeout)."
+    )
+    found = re.search(r"\{ok,\s*(\d+)\}", out)
+    return int(found[1]) / 1000 if found else 180.0
 
 
 def cluster_settings(cluster: PrivateCluster, **overrides: object) -> hopsched.Settings:
@@ -137,6 +160,7 @@ def in_hand(relay: hopsched.Relay) -> int:
     return 0 if session is None else len(session.holds) + session.publisher.in_flight
 
 
+@pytest.mark.timeout(600)  # up to the dead-letter resend timeout (3 min) after a kill
 async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateCluster) -> None:
     settings = cluster_settings(cluster)
     await declare_topology(settings)
@@ -169,7 +193,8 @@ async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateC
     assert all(line in out for line in wanted), out
 
     rng = random.Random(7)
-    delays = [rng.uniform(1, 60) for _ in range(2000)]
+    max_delay_s = 60
+    delays = [rng.uniform(1, max_delay_s) for _ in range(2000)]
     async with hopsched.Scheduler(settings, first_url=index(others[0])) as scheduler:
         requests = [
             hopsched.ScheduleRequest(f"m{i}".encode(), delay=d, routing_key=target.name)
@@ -200,12 +225,17 @@ async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateC
         f"new leader {new_leader.node}"
     )
     assert recovered_s < FAILOVER_WITHIN_S
-    await target.wait_for_ids(ids, within=90)
+    # Due by max_delay_s; a dead-letter in flight to the killed leader comes again after
+    # the broker's resend timeout: later than that it is lost.
+    resend_s = await dead_letter_resend_s(cluster)
+    await target.wait_for_ids(ids, within=max_delay_s + resend_s + FAILOVER_WITHIN_S)
+    last_s = time.monotonic() - killed_at
     received = await target.settle(2.0)
     counts = target.counts()
     duplicates = sum(count - 1 for count in counts.values())
     print(
-        f"delivered {len(counts)} of 2000, duplicates {duplicates}, lateness "
+        f"delivered {len(counts)} of 2000, duplicates {duplicates}, the last {last_s:.0f} s "
+        f"after the kill (dead-letter resend timeout {resend_s:.0f} s), lateness "
         f"{target.lateness_line()}; hop nacks {[r.stats.hop_nacks for r, _ in relays]}"
     )
     target.assert_never_early()
@@ -217,6 +247,7 @@ async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateC
     await leader.start()
 
 
+@pytest.mark.timeout(600)  # three restarts, then up to the dead-letter resend timeout
 async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) -> None:
     settings = cluster_settings(cluster)
     await declare_topology(settings)
@@ -226,6 +257,8 @@ async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) ->
     scheduled: set[str] = set()
     failures: list[str] = []
     stop = asyncio.Event()
+
+    max_delay_s = 30
 
     async def produce() -> None:
         """20 messages every 0.5 s, delays 1-30 s; a call that fails is made again."""
@@ -238,7 +271,7 @@ async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) ->
                         try:
                             await scheduler.schedule(
                                 b"rolling",
-                                delay=rng.uniform(1, 30),
+                                delay=rng.uniform(1, max_delay_s),
                                 routing_key=target.name,
                                 schedule_id=schedule_id,
                             )
@@ -264,8 +297,9 @@ async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) ->
     # A dead-letter a step queue's at-least-once worker had in flight when the relay
     # queue's leader moved is sent again only after the broker's
     # dead_letter_worker_publisher_confirm_timeout (180 s by default): late, not lost.
+    resend_s = await dead_letter_resend_s(cluster)
     try:
-        await target.wait_for_ids(scheduled, within=240)
+        await target.wait_for_ids(scheduled, within=max_delay_s + resend_s + FAILOVER_WITHIN_S)
     except BaseException:
         print(await cluster.nodes[0].rabbitmqctl(
             "list_queues", "name", "messages", "messages_ready", "consumers", "leader"

@@ -247,8 +247,10 @@ async def test_F07_check_target_refuses_an_unbound_key_and_the_cli_exits_2(
     settings = hopsched.Settings(url=node.url, prefix=f"c{tag}")
     connection = await aio_pika.connect(node.url)
     channel = await connection.channel()
-    exchange = await channel.declare_exchange(f"c{tag}.orders", "direct")
-    queue = await channel.declare_queue(f"c{tag}.timeouts")
+    # The target is the application's own, outside hopsched's namespace (c<tag>.*), which
+    # schedule() refuses as a target.
+    exchange = await channel.declare_exchange(f"shop{tag}.orders", "direct")
+    queue = await channel.declare_queue(f"shop{tag}.timeouts")
     await queue.bind(exchange, "timeout")
     received: list[aio_pika.abc.AbstractIncomingMessage] = []
     await queue.consume(received.append, no_ack=True)
@@ -273,4 +275,6 @@ async def test_F07_check_target_refuses_an_unbound_key_and_the_cli_exits_2(
     assert status == 2, (out, err)
     assert f"exchange '{exchange.name}' with routing key 'nope'" in err
     await hopsched_cli("teardown", "--force", settings=settings)
+    await queue.delete(if_unused=False, if_empty=False)
+    await exchange.delete()
     await connection.close()

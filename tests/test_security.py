@@ -118,6 +118,7 @@ async def grant(node: PrivateBroker, role: str, user: str, *targets: str) -> hop
     return hopsched.Settings(url=url, prefix=PREFIX, log_interval_s=1.0)
 
 
+@pytest.mark.slow  # a private node and three users with their grants: over 20 s on 2 cores
 async def test_each_role_holding_only_its_printed_grant_does_its_work(
     private_broker: PrivateBroker,
 ) -> None:
@@ -225,6 +226,7 @@ ssl_options.fail_if_no_peer_cert = true
 """
 
 
+@pytest.mark.slow  # a private node of its own and TLS listeners: over 20 s on 2 cores
 async def test_amqps_with_tls_options_passes_through_to_aio_pika(
     start_private_broker: Any, node_tmp_path: Path
 ) -> None:
@@ -579,6 +581,7 @@ async def test_F30_key_rotation_new_and_old_then_new_alone(
     target.assert_never_early()
 
 
+@pytest.mark.slow  # a private node of its own and every route of attack: over 20 s on 2 cores
 async def test_F30_a_producer_holding_only_its_grant_tries_every_attack(
     private_broker: PrivateBroker,
 ) -> None:
