@@ -61,6 +61,9 @@ _CLOSE_TIMEOUT_S = 5.0  # a broker blocking the connection (an alarm) answers no
 #: Of the turns on a channel, one in this many goes to a lane never confirmed, while
 #: confirmed ones wait too: they come first, but the others are never starved.
 _UNPROVEN_TURN = 4
+#: Idle channels of confirmed lanes that lanes never confirmed do not take (at most
+#: half of ``max_lanes``).
+_PROVEN_IDLE_KEPT = 64
 #: Lanes remembered as confirmed (most recently confirmed kept): enough for every
 #: target a relay keeps busy.
 _PROVEN_KEPT = 4096
@@ -124,23 +127,31 @@ class Publisher:
     """Publishes on ``connection`` with publisher confirms and ``mandatory`` set.
 
     Args:
-        max_lanes: channels it keeps at most (never more than the connection's
-            ``channel_max`` less 8 for others, at least 1); lanes beyond take turns
-            (see the module's doc).
+        max_lanes: channels it keeps at most (None: as many as the connection's
+            ``channel_max`` less 8 for others, 2,039 with RabbitMQ's default of 2,047;
+            never more, at least 1); lanes beyond take turns (see the module's doc). A
+            burst to thousands of missing exchanges is parked fastest with every
+            channel in use: each is refused by a channel close.
         window: publishes sent and not yet confirmed at most, all lanes together (None:
             no limit); the rest wait in order.
     """
 
     def __init__(
-        self, connection: amqp.Connection, *, max_lanes: int = 512, window: int | None = None
+        self,
+        connection: amqp.Connection,
+        *,
+        max_lanes: int | None = None,
+        window: int | None = None,
     ) -> None:
         self.connection = connection
         self._lanes: dict[str, _Lane] = {}
-        self._max_lanes = max(1, min(max_lanes, connection.channel_max - _RESERVED_CHANNELS))
+        allowed = connection.channel_max - _RESERVED_CHANNELS
+        self._max_lanes = max(1, allowed if max_lanes is None else min(max_lanes, allowed))
         self._channels = 0  # lanes with a channel or opening one
         self._idle: dict[str, _Lane] = {}  # lanes with a channel and no work, oldest first
         self._wanting = _Turns()
         self._proven: dict[str, None] = {}  # lanes with a confirmed publish, oldest first
+        self._proven_kept = min(_PROVEN_IDLE_KEPT, self._max_lanes // 2)
         self._window = window if window is not None else math.inf
         self._unconfirmed = 0
         self._blocked = _Turns()
@@ -260,13 +271,27 @@ class Publisher:
             self._channels += 1
             self._spawn(self._open_channel(lane))
             return
-        while self._idle:
-            idle = self._idle.pop(next(iter(self._idle)))
-            if idle.channel is not None and idle.channel.is_open and idle.idle:
-                lane.channel, idle.channel = idle.channel, None
-                del self._lanes[idle.key]
-                self._resume(lane)
-                return
+        # A lane never confirmed (a missing exchange, say) leaves the channels of the
+        # most recently used confirmed lanes alone, up to half the channels: a burst of
+        # refused targets does not make a healthy one wait, and there is always a
+        # channel it can have or one that is handed on as publishes settle.
+        lendable = math.inf
+        if lane.key not in self._proven:
+            lendable = sum(key in self._proven for key in self._idle) - self._proven_kept
+        for key in list(self._idle):
+            idle = self._idle[key]
+            if not (idle.channel is not None and idle.channel.is_open and idle.idle):
+                del self._idle[key]  # not idle with a channel any more
+                continue
+            if key in self._proven:
+                if lendable <= 0:
+                    continue
+                lendable -= 1
+            del self._idle[key]
+            lane.channel, idle.channel = idle.channel, None
+            del self._lanes[idle.key]
+            self._resume(lane)
+            return
         lane.wanting = True
         self._wanting.append(lane, lane.key in self._proven)
 
