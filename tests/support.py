@@ -469,6 +469,16 @@ class Relays:
             pytest.fail(f"relay task(s) failed: {failures}")
 
 
+def settings_env(settings: hopsched.Settings) -> dict[str, str]:
+    """The variables that give a ``hopsched`` subprocess ``settings``' broker, prefix and
+    queue type."""
+    return {
+        "HOPSCHED_URL": str(settings.url),
+        "HOPSCHED_PREFIX": settings.prefix,
+        "HOPSCHED_QUEUE_TYPE": settings.queue_type,
+    }
+
+
 async def hopsched_cli(
     *args: str,
     settings: hopsched.Settings | None = None,
@@ -483,11 +493,7 @@ async def hopsched_cli(
     """
     env = dict(os.environ) | {"HOPSCHED_URL": BROKER_URL} | dict(env or {})
     if settings is not None:
-        env |= {
-            "HOPSCHED_URL": settings.url,
-            "HOPSCHED_PREFIX": settings.prefix,
-            "HOPSCHED_QUEUE_TYPE": settings.queue_type,
-        }
+        env |= settings_env(settings)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -26,7 +26,7 @@ from urllib.parse import quote
 import aio_pika
 import pytest
 from broker import PrivateBroker
-from support import Relays, Targets, hopsched_cli
+from support import Relays, Targets, hopsched_cli, settings_env
 
 import hopsched
 from hopsched import amqp
@@ -88,11 +88,7 @@ async def test_F31_a_relay_whose_prefix_is_torn_down_says_so_and_exits_4(
     Now it says so in one line, exits 4 within its shutdown timeout (10 s), delivers
     the 20 due within it, and declares nothing again."""
     target = await targets.queue()
-    env = dict(os.environ) | {
-        "HOPSCHED_URL": str(settings.url),
-        "HOPSCHED_PREFIX": settings.prefix,
-        "HOPSCHED_QUEUE_TYPE": settings.queue_type,
-    }
+    env = dict(os.environ) | settings_env(settings)
     process = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "hopsched", "relay"),
         env=env,

@@ -21,7 +21,7 @@ from typing import Any
 import aio_pika
 import pytest
 from broker import require_rabbitmq
-from support import Cleanup, Targets, hopsched_cli
+from support import Cleanup, Targets, hopsched_cli, settings_env
 
 import hopsched
 from hopsched.localbroker import free_port, private_cluster
@@ -30,12 +30,7 @@ from hopsched.localbroker import free_port, private_cluster
 @contextlib.asynccontextmanager
 async def relay_process(settings: hopsched.Settings, **variables: str) -> AsyncIterator[None]:
     """``hopsched relay`` as a subprocess, consuming once entered; SIGKILLed on exit."""
-    env = dict(os.environ) | {
-        "HOPSCHED_URL": str(settings.url),
-        "HOPSCHED_PREFIX": settings.prefix,
-        "HOPSCHED_QUEUE_TYPE": settings.queue_type,
-        **variables,
-    }
+    env = dict(os.environ) | settings_env(settings) | variables
     process = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "hopsched", "relay"),
         env=env,
