@@ -185,7 +185,8 @@ def main(verbose: int, log_format: str) -> None:
       2  bad input (usage error, a setting or URL option, a message)
       3  parked replay: some messages asked for were not replayed
       4  nothing of the prefix exists where the command needs it (check
-         --prefix): nothing was scheduled, cancelled, upgraded or removed
+         --prefix): nothing was scheduled, cancelled, upgraded or removed;
+         status: nothing of the prefix exists
     """
     configure_logging(verbose, cast(LogFormat, log_format))
 
@@ -541,6 +542,12 @@ def status(
     _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json())
     if not as_json:
         _echo_policies(checked)
+    if all(depth is None for depth in depths.values()):  # a mistyped --prefix, say
+        raise _NoPrefix(
+            f"nothing of prefix {settings.prefix!r} exists on this broker (vhost): check "
+            "--prefix and --url, or declare it with `hopsched declare` (a relay declares "
+            "it when it starts)"
+        )
     problems = _status_problems(settings, topology, depths)
     if mismatch is not None:
         problems.insert(0, mismatch)
@@ -973,7 +980,8 @@ def parked_list(
         click.echo(
             f"{message.schedule_id or '?'}  due {_when(message.due_us)}  target "
             f"{message.exchange!r}/{message.routing_key!r}  {message.body_bytes} bytes  "
-            f"parked {_when(message.parked_at_us)}\n    {message.reason}"
+            f"parked {_when(message.parked_at_us)}\n    "
+            f"{f'[{message.kind}] ' if message.kind else ''}{message.reason}"
         )
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "HEADER_HOP_EXPIRES",
     "HEADER_ID",
     "HEADER_PARKED_AT",
+    "HEADER_PARKED_KIND",
     "HEADER_PARKED_REASON",
     "HEADER_PARKED_USER_ID",
     "HEADER_PREFIX",
@@ -50,6 +51,7 @@ __all__ = [
     "DeliveryInfo",
     "Envelope",
     "callers_headers",
+    "dead_letter_reason",
     "dead_lettered_us",
     "delivery_headers",
     "delivery_properties",
@@ -95,6 +97,7 @@ HEADER_RETRIES = "x-hopsched-retries"
 HEADER_RETRY_SINCE = "x-hopsched-retry-since"
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
 HEADER_PARKED_AT = "x-hopsched-parked-at"  # int, microseconds since the Unix epoch, UTC
+HEADER_PARKED_KIND = "x-hopsched-parked-kind"  # a hopsched.ParkKind value, e.g. "unroutable"
 HEADER_PARKED_USER_ID = "x-hopsched-user-id"  # a parked message's user_id property
 #: ``KEY-ID:HEX-MAC``: the envelope's HMAC-SHA256 and the id of the key that made it
 #: (``hopsched.signing``); absent when the producer holds no signing key.
@@ -137,7 +140,9 @@ _ROUTING_HEADERS = frozenset(
         HEADER_SIGNATURE,
     }
 )
-_PARKED_HEADERS = frozenset({HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID})
+_PARKED_HEADERS = frozenset(
+    {HEADER_PARKED_REASON, HEADER_PARKED_KIND, HEADER_PARKED_AT, HEADER_PARKED_USER_ID}
+)
 _HOP_DROPS = _BROKER_HEADERS | {HEADER_HOP_EXPIRES, HEADER_HOP_CLOCK}
 
 
@@ -265,6 +270,17 @@ def dead_lettered_us(headers: Mapping[str, Any]) -> int | None:
     return int(died.timestamp()) * 1_000_000
 
 
+def dead_letter_reason(headers: Mapping[str, Any]) -> str | None:
+    """Why the broker last dead-lettered this message: the ``reason`` of the first
+    ``x-death`` entry (``expired``, ``maxlen``, ``rejected``, ``delivery_limit``:
+    https://www.rabbitmq.com/docs/dlx#effects); None without one."""
+    deaths = headers.get("x-death")
+    if not isinstance(deaths, list) or not deaths or not isinstance(deaths[0], Mapping):
+        return None
+    reason = deaths[0].get("reason")
+    return reason if isinstance(reason, str) else None
+
+
 def _field(headers: Mapping[str, Any], name: str, kind: type, *, required: bool = True) -> Any:
     # (``in`` first: a Table's ``get`` of a missing key raises and catches a KeyError)
     value = headers.get(name) if name in headers else None
@@ -378,10 +394,13 @@ def delivery_headers(headers: Mapping[str, Any] | None) -> Table:
     return _without(headers, _BROKER_HEADERS | _ROUTING_HEADERS)
 
 
-def parked_headers(headers: Mapping[str, Any] | None, reason: str, parked_at_us: int) -> Table:
-    """Headers for a parked message: everything it had (target, due time) plus why and when."""
+def parked_headers(
+    headers: Mapping[str, Any] | None, reason: str, kind: str, parked_at_us: int
+) -> Table:
+    """Headers for a parked message: everything it had (target, due time) plus why (the
+    free-text ``reason`` and its ``hopsched.ParkKind`` value ``kind``) and when."""
     return _without(headers, _BROKER_HEADERS).update(
-        {HEADER_PARKED_REASON: reason, HEADER_PARKED_AT: parked_at_us}
+        {HEADER_PARKED_REASON: reason, HEADER_PARKED_KIND: kind, HEADER_PARKED_AT: parked_at_us}
     )
 
 
@@ -467,11 +486,13 @@ def delivery_properties(properties: Properties, envelope: Envelope) -> Propertie
     )
 
 
-def parked_properties(properties: Properties, reason: str, parked_at_us: int) -> Properties:
+def parked_properties(
+    properties: Properties, reason: str, kind: str, parked_at_us: int
+) -> Properties:
     """A delivery's properties for the parking queue. Its ``user_id`` moves to header
     ``x-hopsched-user-id``: the broker refuses a publish whose user_id is not the
     relay's own login (https://www.rabbitmq.com/docs/validated-user-id)."""
-    headers = parked_headers(properties.headers, reason, parked_at_us)
+    headers = parked_headers(properties.headers, reason, kind, parked_at_us)
     if properties.user_id is not None:
         headers = headers.update({HEADER_PARKED_USER_ID: properties.user_id})
     return properties.replace(

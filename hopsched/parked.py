@@ -27,6 +27,7 @@ from hopsched.envelope import (
     HEADER_EXCHANGE,
     HEADER_ID,
     HEADER_PARKED_AT,
+    HEADER_PARKED_KIND,
     HEADER_PARKED_REASON,
     HEADER_PARKED_USER_ID,
     HEADER_ROUTING_KEY,
@@ -46,6 +47,10 @@ class ParkedMessage:
     Attributes:
         schedule_id: header ``x-hopsched-id``; None if the envelope lacked it.
         reason: why the relay parked it.
+        kind: the ``hopsched.ParkKind`` value the relay counted it under (header
+            ``x-hopsched-parked-kind``, as in ``hopsched_parked_total{kind}``); None for a
+            message the broker itself dead-lettered here (``reason`` says why) or one
+            parked by a hopsched older than the header.
         exchange, routing_key: the target it was scheduled for (None if unknown).
         due_us, parked_at_us: µs since the Unix epoch (UTC), or None.
         body_bytes: size of the body in bytes.
@@ -53,6 +58,7 @@ class ParkedMessage:
 
     schedule_id: str | None
     reason: str
+    kind: str | None
     exchange: str | None
     routing_key: str | None
     due_us: int | None
@@ -70,6 +76,7 @@ class ParkedMessage:
         return cls(
             schedule_id=get(HEADER_ID, str),
             reason=get(HEADER_PARKED_REASON, str) or _dead_letter_reason(headers),
+            kind=get(HEADER_PARKED_KIND, str),
             exchange=get(HEADER_EXCHANGE, str),
             routing_key=get(HEADER_ROUTING_KEY, str),
             due_us=get(HEADER_DUE, int),

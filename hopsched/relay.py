@@ -41,6 +41,7 @@ from hopsched.envelope import (
     HEADER_ROUTING_KEY,
     RELAY_CLOCK,
     Envelope,
+    dead_letter_reason,
     dead_lettered_us,
     delivery_properties,
     hop_properties,
@@ -623,7 +624,9 @@ class _Session:
         """A hop's overshoot (arrival - its TTL's end), from the relay's own stamps; from a
         producer's stamp, the producer's clock offset (``RelayStats.record_clock_sample``)."""
         expires = headers.get(HEADER_HOP_EXPIRES)
-        if type(expires) is not int:
+        # Only a TTL's end times a hop: one dead-lettered for a delivery limit, a length
+        # limit or a reject left its step at another time (seen: "+4294967.2 s" off).
+        if type(expires) is not int or dead_letter_reason(headers) != "expired":
             return
         sample = now - expires
         clock = headers.get(HEADER_HOP_CLOCK)
@@ -828,7 +831,7 @@ class _Session:
         assert delivery.properties is not None
         headers: Mapping[str, Any] = delivery.properties.headers or {}
         target = f"{headers.get(HEADER_EXCHANGE)!r}/{headers.get(HEADER_ROUTING_KEY)!r}"
-        properties = parked_properties(delivery.properties, park.reason, self.clock())
+        properties = parked_properties(delivery.properties, park.reason, park.kind, self.clock())
         self._publish_parked(delivery, properties.encode(), park, target)
 
     def _park_as_is(self, delivery: amqp.Delivery) -> None:

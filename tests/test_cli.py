@@ -29,6 +29,7 @@ from support import (
 )
 
 import hopsched
+from hopsched.cli import EXIT_NO_PREFIX
 from hopsched.clock import datetime_to_us, now_us
 from hopsched.localbroker import free_port
 
@@ -124,18 +125,22 @@ async def test_schedule_declare_and_status_on_the_real_broker(
     assert topology.step_queue(2**32) in out
 
 
-async def test_status_of_a_prefix_with_no_queues_exits_1_naming_them(broker_url: str) -> None:
-    """Found by a new-user trial: status listed every queue as missing and exited 0,
-    though the exit table gives 1 for a missing queue (a mistyped --prefix, say)."""
+async def test_status_of_a_prefix_with_no_queues_exits_4_saying_check_the_prefix(
+    broker_url: str,
+) -> None:
+    """Found by new-user trials: status of a mistyped --prefix listed every queue as
+    missing and exited 0, then 1 (broker trouble); the exit table gives 4 when nothing of
+    the prefix exists, as for cancel, upgrade and teardown."""
     prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
 
     status, out, err = await hopsched_cli("status", "--url", broker_url, "--prefix", prefix)
 
-    assert status == 1, (out, err)
+    assert status == EXIT_NO_PREFIX, (out, err)
     assert f"{prefix}.relay" in out
     assert "missing" in out
-    assert "queues are missing" in err
-    assert "hopsched declare" in err
+    [line] = err.splitlines()
+    assert f"nothing of prefix {prefix!r} exists" in line
+    assert "check --prefix" in line
     assert "Traceback" not in err
 
 

@@ -30,12 +30,14 @@ from hopsched.envelope import (
     HEADER_HOPS,
     HEADER_ID,
     HEADER_PARKED_AT,
+    HEADER_PARKED_KIND,
     HEADER_PARKED_REASON,
     HEADER_PARKED_USER_ID,
     HEADER_ROUTING_KEY,
     HEADER_VERSION,
     RELAY_CLOCK,
     Envelope,
+    dead_letter_reason,
     delivery_headers,
     hop_headers,
     parked_headers,
@@ -247,6 +249,25 @@ def test_dead_letter_header_set_is_what_rabbitmq_adds() -> None:
     } == BROKER_DEAD_LETTER_HEADERS
 
 
+@pytest.mark.parametrize(
+    ("headers", "reason"),
+    [
+        ({"x-death": [{"reason": "delivery_limit"}, {"reason": "expired"}]}, "delivery_limit"),
+        ({"x-death": [{"reason": "expired", "queue": "p.step.16"}]}, "expired"),
+        ({"x-death": []}, None),
+        ({"x-death": "expired"}, None),
+        ({"x-death": [{"reason": 7}]}, None),
+        ({}, None),
+    ],
+)
+def test_the_dead_letter_reason_is_the_latest_x_death_entrys(
+    headers: dict[str, Any], reason: str | None
+) -> None:
+    """Only an ``expired`` hop times a step (the relay's hop overshoot, a producer's clock
+    offset): the latest entry comes first (https://www.rabbitmq.com/docs/dlx#effects)."""
+    assert dead_letter_reason(headers) == reason
+
+
 def test_hop_headers_strip_dead_letter_history_and_count_the_hop() -> None:
     headers = hop_headers(DEAD_LETTERED, 4)
 
@@ -296,9 +317,12 @@ def test_delivery_headers_of_none_are_empty() -> None:
 
 
 def test_parked_headers_keep_the_target_and_add_reason_and_time() -> None:
-    headers = parked_headers(DEAD_LETTERED, "undeliverable: NO_ROUTE", 1_800_000_000_000_000)
+    headers = parked_headers(
+        DEAD_LETTERED, "undeliverable: NO_ROUTE", "unroutable", 1_800_000_000_000_000
+    )
 
     assert headers[HEADER_PARKED_REASON] == "undeliverable: NO_ROUTE"
+    assert headers[HEADER_PARKED_KIND] == "unroutable"
     assert headers[HEADER_PARKED_AT] == 1_800_000_000_000_000
     assert not BROKER_DEAD_LETTER_HEADERS & headers.keys()
     kept = {k: v for k, v in DEAD_LETTERED.items() if k not in BROKER_DEAD_LETTER_HEADERS}
@@ -311,12 +335,13 @@ def test_the_relay_queues_delivery_count_goes_no_further() -> None:
 
     assert hop_headers(redelivered, 4) == hop_headers(DEAD_LETTERED, 4)
     assert delivery_headers(redelivered) == delivery_headers(DEAD_LETTERED)
-    assert parked_headers(redelivered, "r", 5) == parked_headers(DEAD_LETTERED, "r", 5)
+    assert parked_headers(redelivered, "r", "k", 5) == parked_headers(DEAD_LETTERED, "r", "k", 5)
 
 
-def test_parked_headers_of_none_hold_only_reason_and_time() -> None:
-    assert parked_headers(None, "malformed envelope", 5) == {
+def test_parked_headers_of_none_hold_only_reason_kind_and_time() -> None:
+    assert parked_headers(None, "malformed envelope", "malformed", 5) == {
         HEADER_PARKED_REASON: "malformed envelope",
+        HEADER_PARKED_KIND: "malformed",
         HEADER_PARKED_AT: 5,
     }
 
@@ -325,7 +350,7 @@ def test_rewritten_headers_survive_the_wire() -> None:
     for headers in (
         hop_headers(DEAD_LETTERED, 4),
         delivery_headers(DEAD_LETTERED),
-        parked_headers(DEAD_LETTERED, "why", DUE_US),
+        parked_headers(DEAD_LETTERED, "why", "refused", DUE_US),
     ):
         assert wire(headers) == headers
 
@@ -446,11 +471,14 @@ def test_a_float_due_time_would_not_survive_the_wire() -> None:
 
 
 def test_unparked_headers_drop_the_parking_and_the_last_hops_expiry() -> None:
-    parked = parked_headers(DEAD_LETTERED, "undeliverable: NO_ROUTE", 1_800_000_000_000_000)
+    parked = parked_headers(
+        DEAD_LETTERED, "undeliverable: NO_ROUTE", "unroutable", 1_800_000_000_000_000
+    )
     parked = parked.update({HEADER_PARKED_USER_ID: "alice"})
 
     replayed = unparked_headers(parked)
 
-    assert not {HEADER_PARKED_REASON, HEADER_PARKED_AT, HEADER_PARKED_USER_ID} & replayed.keys()
+    parking = {HEADER_PARKED_REASON, HEADER_PARKED_KIND, HEADER_PARKED_AT, HEADER_PARKED_USER_ID}
+    assert not parking & replayed.keys()
     assert HEADER_HOP_EXPIRES not in replayed
     assert Envelope.from_headers(replayed) == Envelope.from_headers(DEAD_LETTERED)

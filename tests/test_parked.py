@@ -84,9 +84,14 @@ async def test_parked_list_and_replay_after_the_targets_are_fixed(
         assert exchange in entry["reason"]
         expected = "no queue is bound" if exchange == unbound else "does not exist"
         assert expected in entry["reason"], entry["reason"]
+        # a missing exchange is a refusal (404), not an unroutable message: docs/parked.md
+        assert entry["kind"] == ("unroutable" if exchange == unbound else "refused")
     status, out, _ = await hopsched_cli("parked", "list", settings=settings)
     assert status == 0
     assert f"showing {len(broken)} of {len(broken)} parked message(s)" in out
+    unroutable = sum(exchange == unbound for exchange, _ in broken.values())
+    assert out.count("[unroutable] ") == unroutable, out
+    assert out.count("[refused] ") == len(broken) - unroutable, out
     assert await message_count(amqp, topology.parked_queue) == len(broken)
 
     # Fix the targets: bind the key, create the missing exchange, re-create the deleted one.

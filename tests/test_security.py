@@ -567,6 +567,7 @@ async def test_F30_key_rotation_new_and_old_then_new_alone(
     (listed,) = json.loads(out)
     assert listed["schedule_id"] == stale.schedule_id
     assert "signed with key id '2026-06', which this process does not hold" in listed["reason"]
+    assert listed["kind"] == hopsched.ParkKind.BAD_SIGNATURE
     assert relay.stats.parked_by_kind[hopsched.ParkKind.BAD_SIGNATURE] == 1
     assert doomed.schedule_id not in target.counts()
     assert stale.schedule_id not in target.counts()
