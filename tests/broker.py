@@ -22,9 +22,11 @@ except under ``CI=true``, where they fail: CI must not pass without running them
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from hopsched.localbroker import (
 
 __all__ = [
     "PrivateBroker",
+    "freeze",
     "khepri",
     "node_tmp_path",
     "private_broker",
@@ -51,6 +54,31 @@ __all__ = [
 
 #: ``1``: private nodes keep their metadata in Khepri (RabbitMQ >= 4.0).
 KHEPRI_VARIABLE = "HOPSCHED_TEST_KHEPRI"
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid`` (``T``: stopped), from /proc (Linux)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+    return states
+
+
+async def freeze(pid: int, within: float = 5.0) -> None:
+    """SIGSTOP process ``pid`` and return once every thread of it has stopped: ``kill``
+    returns before a thread running on another CPU stops, and in that moment a node
+    acked a publish sent after the kill (seen in CI)."""
+    os.kill(pid, signal.SIGSTOP)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    # The kernel signals no event for a stopped thread: polling /proc is the only way.
+    while loop.time() < deadline:
+        states = _thread_states(pid)  # reads of /proc do not block
+        if states and all(state in ("T", "t") for state in states):
+            return
+        await asyncio.sleep(0.005)
+    pytest.fail(f"process {pid} did not stop within {within} s of SIGSTOP")
 
 
 def khepri() -> bool:

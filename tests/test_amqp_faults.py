@@ -34,7 +34,7 @@ from amqp_support import (
     encoded,
     open_connection,
 )
-from broker import PrivateBroker, require_rabbitmq, seen_by_nodes
+from broker import PrivateBroker, freeze, require_rabbitmq, seen_by_nodes
 
 import hopsched
 import hopsched.connect
@@ -315,7 +315,7 @@ async def test_a_frozen_broker_is_dropped_after_two_missed_heartbeats(
     await asyncio.sleep(6)
     assert connection.is_open, "the idle connection was dropped: heartbeats are not working"
     assert private_broker.pid is not None
-    os.kill(private_broker.pid, signal.SIGSTOP)
+    await freeze(private_broker.pid)
     try:
         stopped = time.monotonic()
         outcomes = Outcomes()

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aio_pika
 import pytest
-from broker import PrivateBroker
+from broker import PrivateBroker, freeze
 from support import Cleanup, Collector, Relays, Targets, schedule_all
 from test_faults import RelayProcess
 
@@ -259,7 +259,7 @@ async def test_F25_a_frozen_broker_gives_a_timeout_error_and_the_relay_recovers(
     async with hopsched.Scheduler(settings) as scheduler:
         held = await scheduler.schedule(b"held", delay=0.8, routing_key=target.name)
         await asyncio.sleep(0.3)  # in the relay's hold now
-        os.kill(private_broker.pid, signal.SIGSTOP)
+        await freeze(private_broker.pid)
         try:
             started = time.monotonic()
             with pytest.raises(hopsched.PublishTimeoutError):
