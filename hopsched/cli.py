@@ -613,7 +613,7 @@ def _records_lines(tally: RecordTally | str) -> list[str]:
             f"no signing keys); ignored: {refused}"
         ]
     parked = ", ".join(f"{n} {kind}" for kind, n in sorted(tally.parked.items())) or "none"
-    lines.append(f"parked by relays for their signature or target: {parked}")
+    lines.append(f"parked by relays as forged or aimed at hopsched's own objects: {parked}")
     return lines
 
 

@@ -228,8 +228,8 @@ async def _parked_messages(
         depth = (await topology.inspect(connection))[queue]
         if depth is None:
             raise PrefixNotDeclaredError(
-                f"queue {queue!r} does not exist on {settings.masked_url}: nothing was ever "
-                "declared with this prefix (check --prefix / HOPSCHED_PREFIX)",
+                f"queue {queue!r} does not exist on {settings.masked_url}: this prefix is not "
+                "declared there, or was torn down (check --prefix / HOPSCHED_PREFIX)",
                 prefix=settings.prefix,
                 queue=queue,
             )

@@ -835,11 +835,11 @@ async def declare_topology(
         if existing and await _passive_depth(connection, topology.relay_queue) is None:
             raise PrefixNotDeclaredError(
                 f"prefix {settings.prefix!r} has no relay queue ({topology.relay_queue}) at "
-                f"{settings.masked_url}: no relay and no `hopsched declare` ever ran with "
-                "it, so a message scheduled there would wait for ever; check --prefix "
-                "(Settings.prefix), and if it is right, start a relay first, run "
-                f"`hopsched declare --prefix {settings.prefix}`, or pass declare=True (to "
-                "Scheduler or schedule())",
+                f"{settings.masked_url}: no relay and no `hopsched declare` ran with it "
+                "(nothing scheduled there would ever be relayed); check --prefix "
+                "(Settings.prefix), and if it is right, start a relay first or run "
+                f"`hopsched declare --prefix {settings.prefix}` (from Python: "
+                "declare=True to Scheduler or schedule())",
                 prefix=settings.prefix,
                 queue=topology.relay_queue,
             )
