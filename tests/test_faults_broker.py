@@ -340,10 +340,10 @@ async def test_a_cancel_survives_a_broker_killed_before_the_due_time(
     """``kill -9`` of the node after the cancel: the stream is durable, the relay reads
     it again after the restart: not delivered; the other message is."""
     settings = node_settings(private_broker, prefix)
+    target = await node_targets.queue()  # first: see _consume_after_restart
     await relays.start(settings)
     # A node running for 3 minutes has saved its Ra directory; this one is younger.
     await private_broker.save_ra_directory()
-    target = await node_targets.queue()
     async with hopsched.Scheduler(settings) as scheduler:
         doomed = await scheduler.schedule(b"doomed", delay=12.0, routing_key=target.name)
         kept = await scheduler.schedule(b"kept", delay=12.0, routing_key=target.name)
@@ -390,7 +390,14 @@ async def test_relays_wait_for_a_cancellation_stream_a_crash_left_down(
 
 
 async def _consume_after_restart(node: PrivateBroker, queue: str) -> Collector:
-    """A collector on ``queue`` over a new connection (the test's first died with the
-    node); the node's end closes it."""
+    """A collector on the test's durable target ``queue`` over a new connection (the
+    test's first died with the node); the node's end closes it. The queue is declared
+    again, as its owner would: once in CI a RabbitMQ 4.0.5 node (Mnesia) killed about a
+    second after the declare came back without it, which is the broker's metadata store,
+    not what these tests are about (hopsched's own queues are declared again by the
+    relay, F27)."""
     connection = await aio_pika.connect(node.url)
+    channel = await connection.channel()
+    await channel.declare_queue(queue, durable=True)
+    await channel.close()
     return await Targets(connection, Cleanup(node.url)).consume(queue)
