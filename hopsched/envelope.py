@@ -261,10 +261,8 @@ def dead_lettered_us(headers: Mapping[str, Any]) -> int | None:
     """When the broker last dead-lettered this message, µs since the epoch by the
     broker's clock, to the whole second (the ``time`` of the first ``x-death`` entry,
     the latest: https://www.rabbitmq.com/docs/dlx#effects); None without one."""
-    deaths = headers.get("x-death")
-    if not isinstance(deaths, list) or not deaths or not isinstance(deaths[0], Mapping):
-        return None
-    died = deaths[0].get("time")
+    death = _latest_death(headers)
+    died = death.get("time") if death is not None else None
     if not isinstance(died, datetime):
         return None
     return int(died.timestamp()) * 1_000_000
@@ -274,11 +272,17 @@ def dead_letter_reason(headers: Mapping[str, Any]) -> str | None:
     """Why the broker last dead-lettered this message: the ``reason`` of the first
     ``x-death`` entry (``expired``, ``maxlen``, ``rejected``, ``delivery_limit``:
     https://www.rabbitmq.com/docs/dlx#effects); None without one."""
+    death = _latest_death(headers)
+    reason = death.get("reason") if death is not None else None
+    return reason if isinstance(reason, str) else None
+
+
+def _latest_death(headers: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The first (latest) ``x-death`` entry, or None without a well-formed one."""
     deaths = headers.get("x-death")
     if not isinstance(deaths, list) or not deaths or not isinstance(deaths[0], Mapping):
         return None
-    reason = deaths[0].get("reason")
-    return reason if isinstance(reason, str) else None
+    return deaths[0]
 
 
 def _field(headers: Mapping[str, Any], name: str, kind: type, *, required: bool = True) -> Any:
