@@ -32,22 +32,9 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
-from hopsched.decide import NOTICED, Cancel, Decider, Park, ParkKind, Wait
-from hopsched.envelope import (
-    HEADER_EXCHANGE,
-    HEADER_HOP_CLOCK,
-    HEADER_HOP_EXPIRES,
-    HEADER_ID,
-    HEADER_ROUTING_KEY,
-    RELAY_CLOCK,
-    Envelope,
-    dead_letter_reason,
-    dead_lettered_us,
-    delivery_properties,
-    hop_properties,
-    parked_properties,
-    retry_properties,
-)
+from hopsched.decide import Cancel, Decider, Park, ParkKind, Wait
+from hopsched.detours import HOP_NACK_WAITS_S, Detours, Outcome
+from hopsched.envelope import Envelope, delivery_properties, hop_properties, retry_properties
 from hopsched.errors import (
     AccessRefusedError,
     BrokerConnectionLost,
@@ -56,6 +43,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
 )
 from hopsched.holds import Holds
+from hopsched.hop_timing import HopTiming
 from hopsched.ladder import US_PER_MS, AvoidedSteps, Hop
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
@@ -76,19 +64,8 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("hopsched.relay")
 
-_Outcome = Callable[[amqp.Outcome, Any], None]
 #: Bytes a held message costs beyond its body and properties (objects, timer entry).
 _HELD_OVERHEAD = 600
-#: A hop nacked by the relay's own step queue (a quorum leader election on a cluster, a
-#: node going down) is tried again after these waits, s, then parked: about 16 s in all,
-#: more than an election takes.
-HOP_NACK_WAITS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0)
-
-#: A first hop consumed this long (µs) after the broker dead-lettered it (its x-death
-#: time, whole seconds) waited in the relay queue: its lateness says nothing of the
-#: producer's clock. Two seconds: one for the rounding, one for the clocks of broker and
-#: relay.
-QUEUED_TOO_LONG_US = 2_000_000
 
 
 class Relay:
@@ -132,6 +109,7 @@ class Relay:
             settings.signatures,
         )
         self.overshoot = OvershootTracker()
+        self.hop_timing = HopTiming(self.stats, self.overshoot, settings.hold_window_ms * US_PER_MS)
         #: Steps whose queues nacked a hop lately (a leader election): routed around.
         self.avoided = AvoidedSteps()
         self.cancellations = Cancellations(CANCEL_RETENTION_US)
@@ -347,7 +325,13 @@ class _Final:
 
 
 class _Session:
-    """One connection's worth of relaying: consumer, publisher, holds and acks."""
+    """One connection's worth of relaying. Each delivery goes consume (``_received``) →
+    decide (``_route``) → publish (``_hop``, or ``_hold`` until due then ``_deliver``) →
+    ack (in the publish's confirm). What cannot go that way (parking, a nacked hop tried
+    again, a step that returned it early, a queue to declare again) is ``Detours``'."""
+
+    acker: Acker  # once consuming
+    detours: Detours
 
     def __init__(self, relay: Relay, connection: amqp.Connection) -> None:
         self.relay = relay
@@ -363,20 +347,13 @@ class _Session:
         self.held_limit = max(1, prefetch - max(1, prefetch // 10))
         self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
         self.held_by_id: dict[str, list[_Final]] = {}
-        self._redeclaring: dict[str, asyncio.Future[None]] = {}
-        self.waiting = 0  # deliveries that came back early, waiting to be routed anew
         # set on a 403 for the prefix's own objects: the session ends, the relay exits
         self.refused: asyncio.Future[AccessRefusedError] = (
             asyncio.get_running_loop().create_future()
         )
         self.torn_down = False  # the prefix was torn down: declare nothing again
 
-    async def _declare(self, names: list[str] | None = None) -> None:
-        """Declare the topology (or ``names``) on the node this session is on, if it
-        answers; nothing once the prefix was torn down."""
-        if self.torn_down:
-            return
-        await declare_topology(self.settings, names, first=self.relay._connector.url)
+    # --- the session's life ----------------------------------------------------------
 
     async def serve(self) -> None:
         """Consume until the relay stops (then drain) or the connection goes (raised).
@@ -388,16 +365,7 @@ class _Session:
                 prefix's objects (AMQP 403): not worth trying again.
         """
         relay, topology = self.relay, self.topology
-        await self._declare()
-        try:
-            lost_stream = await relay.cancel_reader.follow(
-                self.connection, self.publisher, self._record_read
-            )
-        except AccessRefusedError as error:
-            raise self._access_refused(str(error)) from None
-        channel = await self.connection.channel()
-        await channel.qos(self.settings.prefetch)
-        self.acker = Acker(channel)
+        channel, lost_stream = await self._start()
         cancelled = asyncio.Event()
         tag = await self._consume(channel, cancelled)
         relay._consuming.set()
@@ -412,18 +380,7 @@ class _Session:
         )
         torn_down: PrefixNotDeclaredError | None = None
         while True:
-            waits: dict[asyncio.Future[Any], str] = {
-                asyncio.ensure_future(relay._stopping.wait()): "stop",
-                asyncio.ensure_future(cancelled.wait()): "cancelled",
-                asyncio.ensure_future(asyncio.shield(self.connection.closed)): "lost",
-                asyncio.ensure_future(asyncio.shield(channel.closed)): "lost",
-                asyncio.ensure_future(asyncio.shield(lost_stream)): "stream",
-                asyncio.ensure_future(asyncio.shield(self.refused)): "refused",
-            }
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            reasons = {waits[task] for task in done}
+            reasons = await self._woken(channel, cancelled, lost_stream)
             if "lost" in reasons:
                 if self.connection.closed.done():
                     raise self.connection.closed.result()
@@ -455,6 +412,59 @@ class _Session:
         await self._drain(channel, tag)
         if torn_down is not None:
             raise torn_down
+
+    async def _start(self) -> tuple[amqp.Channel, asyncio.Future[Any]]:
+        """Declare the topology, follow the cancel stream, open the consuming channel."""
+        await self._declare()
+        try:
+            lost_stream = await self.relay.cancel_reader.follow(
+                self.connection, self.publisher, self._record_read
+            )
+        except AccessRefusedError as error:
+            raise self._access_refused(str(error)) from None
+        channel = await self.connection.channel()
+        await channel.qos(self.settings.prefetch)
+        self.acker = Acker(channel)
+        self.detours = Detours(
+            publisher=self.publisher,
+            acker=self.acker,
+            stats=self.stats,
+            cancel_reader=self.relay.cancel_reader,
+            parked_queue=self.topology.parked_queue,
+            relay_queue=self.topology.relay_queue,
+            clock=self.clock,
+            connection_closed=self.connection.closed,
+            declare=self._declare,
+            refused=self.refused,
+            access_refused=self._access_refused,
+            avoided=self.relay.avoided,
+        )
+        return channel, lost_stream
+
+    async def _woken(
+        self, channel: amqp.Channel, cancelled: asyncio.Event, lost_stream: asyncio.Future[Any]
+    ) -> set[str]:
+        """Wait until something ends or disturbs consuming; say what (one or more of
+        ``stop``, ``cancelled``, ``lost``, ``stream``, ``refused``)."""
+        waits: dict[asyncio.Future[Any], str] = {
+            asyncio.ensure_future(self.relay._stopping.wait()): "stop",
+            asyncio.ensure_future(cancelled.wait()): "cancelled",
+            asyncio.ensure_future(asyncio.shield(self.connection.closed)): "lost",
+            asyncio.ensure_future(asyncio.shield(channel.closed)): "lost",
+            asyncio.ensure_future(asyncio.shield(lost_stream)): "stream",
+            asyncio.ensure_future(asyncio.shield(self.refused)): "refused",
+        }
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return {waits[task] for task in done}
+
+    async def _declare(self, names: list[str] | None = None) -> None:
+        """Declare the topology (or ``names``) on the node this session is on, if it
+        answers; nothing once the prefix was torn down."""
+        if self.torn_down:
+            return
+        await declare_topology(self.settings, names, first=self.relay._connector.url)
 
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> str:
         try:
@@ -536,34 +546,31 @@ class _Session:
         self.acker.flush()
         self.holds.cancel()  # the rest stays unacked: the broker delivers it again
 
-    # --- per delivery ----------------------------------------------------------------------
+    # --- consume → decide → publish → ack ----------------------------------------------
 
     def _received(self, delivery: amqp.Delivery) -> None:
+        """Consume: a delivery from ``{prefix}.relay``, in the read that brought it."""
         self.acker.received(delivery.delivery_tag)
-        try:
-            self._route(delivery)
-        except Exception as error:  # a bug must cost one message a detour, not a slot
-            log.exception("the relay failed on a delivery (schedule id %s)", _schedule_id(delivery))
-            self._reject(delivery, f"the relay failed on it: {error!r}")
+        self.detours.guarded_call(delivery, functools.partial(self._route, delivery))
 
     def _route(self, delivery: amqp.Delivery, *, nacks: int = 0, again: bool = False) -> None:
-        """Hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its hop
-        was nacked already; ``again``: routed anew (e.g. held, then rescheduled). Either
-        way its hop stamp was measured on arrival, not now."""
+        """Decide: hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its
+        hop was nacked already; ``again``: routed anew (e.g. held, then rescheduled).
+        Either way its hop stamp was measured on arrival, not now."""
         properties = delivery.properties
         if properties is None:
-            self._park_as_is(delivery)
+            self.detours.park_as_is(delivery)
             return
         now = self.clock()
         headers: Mapping[str, Any] = properties.headers or {}
         if not nacks and not again:
-            self._measure_hop(headers, now)
+            self.relay.hop_timing.measure(headers, now)
         ladder = self.relay.ladder
         decision = self.relay.decider.decide(
             headers,
             properties.user_id,
             now,
-            crowded=len(self.holds) + self.waiting >= self.held_limit
+            crowded=len(self.holds) + self.detours.waiting >= self.held_limit
             or self.held_bytes >= self.held_bytes_limit,
             margin_ms=self.relay.overshoot.margin_ms(
                 now, floor_ms=ladder.hop_margin_ms, cap_ms=ladder.hold_window_ms
@@ -574,25 +581,28 @@ class _Session:
             avoid=self.relay.avoided.avoided(now),
         )
         if isinstance(decision, Wait):
-            self._wait(delivery, decision)
-            return
-        if isinstance(decision, Park):
-            self._park(delivery, decision)
-            return
-        if isinstance(decision, Cancel):
+            route_again = functools.partial(self._route, delivery, again=True)
+            self.detours.returned_early(delivery, decision, route_again)
+        elif isinstance(decision, Park):
+            self.detours.park(delivery, decision)
+        elif isinstance(decision, Cancel):
             self.stats.record_cancelled()
             self.acker.done(delivery.delivery_tag)
-            return
-        envelope = decision.envelope
-        if envelope.owner is None and self.relay.decider.signatures.enabled:
-            self.stats.unsigned += 1
-        if isinstance(decision.plan, Hop):
-            self._hop(delivery, envelope, decision.plan.step_ms, nacks=nacks)
-            return
+        else:
+            envelope = decision.envelope
+            if envelope.owner is None and self.relay.decider.signatures.enabled:
+                self.stats.unsigned += 1
+            if isinstance(decision.plan, Hop):
+                self._hop(delivery, envelope, decision.plan.step_ms, nacks=nacks)
+            else:
+                self._final(delivery, envelope, now)
+
+    def _final(self, delivery: amqp.Delivery, envelope: Envelope, now: int) -> None:
+        """Its last hop is over: deliver it now if due, else hold it until due."""
         try:
             final = _Final(delivery, envelope, now)
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         if envelope.due_us <= now:
             self._deliver(final)
@@ -620,36 +630,8 @@ class _Session:
         elif isinstance(verdict, int) and verdict < final.envelope.due_us:
             self.holds.hold(verdict, final)
 
-    def _measure_hop(self, headers: Mapping[str, Any], now: int) -> None:
-        """A hop's overshoot (arrival - its TTL's end), from the relay's own stamps; from a
-        producer's stamp, the producer's clock offset (``RelayStats.record_clock_sample``)."""
-        expires = headers.get(HEADER_HOP_EXPIRES)
-        # Only a TTL's end times a hop: one dead-lettered for a delivery limit, a length
-        # limit or a reject left its step at another time (seen: "+4294967.2 s" off).
-        if type(expires) is not int or dead_letter_reason(headers) != "expired":
-            return
-        sample = now - expires
-        clock = headers.get(HEADER_HOP_CLOCK)
-        if clock == RELAY_CLOCK:
-            self.stats.record_overshoot(sample)
-            # The margin is capped at the hold window anyway; clamping the sample keeps one
-            # absurd value (a relay down for hours) from pinning it there for minutes.
-            cap = self.settings.hold_window_ms * US_PER_MS
-            self.relay.overshoot.record(min(sample, cap), now)
-        elif isinstance(clock, str):
-            died = dead_lettered_us(headers)
-            if died is None or now - died > QUEUED_TOO_LONG_US:
-                return  # it waited in the relay queue (a backlog, no relay): not a clock
-            offset = self.stats.record_clock_sample(clock, sample)
-            if offset is not None:
-                log.warning(
-                    "producer %s's clock seems %+.1f s off the relay's: its due times are "
-                    "read by the relay's clock and shift by as much (run NTP on it)",
-                    clock,
-                    offset / 1_000_000,
-                )
-
     def _release(self, final: _Final) -> None:
+        """Its due time came (``Holds``' timer): deliver it, unless cancelled or moved."""
         if final.done:
             return
         final.done = True
@@ -671,8 +653,6 @@ class _Session:
         else:  # rescheduled: route it again, for its new due time
             self._route(final.delivery, again=True)
 
-    # --- publishing ------------------------------------------------------------------------
-
     def _publish(
         self,
         lane: str,
@@ -680,8 +660,9 @@ class _Session:
         routing_key: str,
         delivery: amqp.Delivery,
         properties: bytes,
-        outcome: _Outcome,
+        outcome: Outcome,
     ) -> None:
+        """Publish: ``outcome`` runs on the confirm (acks, or takes a detour)."""
         try:
             self.publisher.publish(
                 lane,
@@ -689,12 +670,12 @@ class _Session:
                 routing_key,
                 delivery.body,
                 properties,
-                functools.partial(self._guarded, delivery, outcome),
+                self.detours.guarded(delivery, outcome),
             )
         except BrokerConnectionLost:
             pass  # unacked: the broker delivers it again after the reconnect
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
 
     def _hop(
         self,
@@ -706,6 +687,8 @@ class _Session:
         redeclared: bool = False,
         nacks: int = 0,
     ) -> None:
+        """Publish into the step queue of ``step_ms``; ack once confirmed. ``retry``: a
+        target's back-off hop (the same step again after a nack)."""
         assert delivery.properties is not None
         now = self.clock()
         expires = now + step_ms * US_PER_MS
@@ -716,9 +699,15 @@ class _Session:
                 properties = hop_properties(delivery.properties, envelope, expires)
             encoded = properties.encode()
         except (ValueError, TypeError) as error:
-            self._park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         queue = self.topology.step_queue(step_ms)
+
+        def again() -> None:  # after a nack
+            if retry:  # a target's back-off hop: same step (late at worst, never early)
+                self._hop(delivery, envelope, step_ms, retry=True, nacks=nacks + 1)
+            else:  # decide anew: the due time came closer meanwhile
+                self._route(delivery, nacks=nacks + 1)
 
         def hopped(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is amqp.Outcome.ACK:
@@ -726,71 +715,20 @@ class _Session:
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
                 # The step queue is gone (an operator, an expires policy): declare it again.
-                self._after_redeclare(
+                self.detours.redeclare(
                     queue,
                     lambda: self._hop(delivery, envelope, step_ms, retry=retry, redeclared=True),
                 )
             elif outcome is amqp.Outcome.NACK and nacks < len(HOP_NACK_WAITS_S):
-                self._after_hop_nack(delivery, envelope, step_ms, retry, nacks, queue)
+                self.detours.hop_nacked(delivery, step_ms, queue, nacks, again)
             else:
-                self._not_published(delivery, f"hop to {queue}", outcome, detail)
+                self.detours.not_published(delivery, f"hop to {queue}", outcome, detail)
 
         self._publish(LADDER_LANE, "", queue, delivery, encoded, hopped)
 
-    def _after_hop_nack(
-        self,
-        delivery: amqp.Delivery,
-        envelope: Envelope,
-        step_ms: int,
-        retry: bool,
-        nacks: int,
-        queue: str,
-    ) -> None:
-        """Try a nacked hop again after a back-off: our own queue refusing is a quorum
-        leader election (or a node down), over within seconds, not a reason to park."""
-        self.stats.hop_nacks += 1
-        self.relay.avoided.nacked(step_ms, self.clock())  # later hops go by a smaller step
-        wait_s = HOP_NACK_WAITS_S[nacks]
-        if self.stats.first_problem(queue, "nacked: trying again after a back-off"):
-            log.warning("the broker nacked a hop to %s; trying again in %.2f s", queue, wait_s)
-
-        def again() -> None:
-            if self.connection.closed.done():
-                return  # unacked: the broker delivers it again after the reconnect
-            if retry:  # a target's back-off hop: same step (late at worst, never early)
-                self._hop(delivery, envelope, step_ms, retry=True, nacks=nacks + 1)
-            else:  # decide anew: the due time came closer meanwhile
-                self._route(delivery, nacks=nacks + 1)
-
-        asyncio.get_running_loop().call_later(
-            wait_s, functools.partial(self._guarded_call, delivery, again)
-        )
-
-    def _wait(self, delivery: amqp.Delivery, wait: Wait) -> None:
-        """A step returned it early (a policy limits the ladder): route it anew after the
-        wait, not at once, which would bring it straight back (a hop storm)."""
-        self.stats.record_returned_early()
-        self.waiting += 1
-        if self.stats.first_problem(wait.queue, "returned early: waiting to hop it again"):
-            log.warning("%s; waiting %.1f s to route it again", wait.reason, wait.wait_us / 1e6)
-
-        def again() -> None:
-            self.waiting -= 1
-            if not self.connection.closed.done():  # else unacked: delivered again
-                self._route(delivery, again=True)
-
-        asyncio.get_running_loop().call_later(
-            wait.wait_us / 1_000_000, functools.partial(self._guarded_call, delivery, again)
-        )
-
-    def _guarded_call(self, delivery: amqp.Delivery, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except Exception as error:  # a bug must cost one message a detour, not a slot
-            log.exception("the relay failed on a delivery (schedule id %s)", _schedule_id(delivery))
-            self._reject(delivery, f"the relay failed on it: {error!r}")
-
     def _deliver(self, final: _Final) -> None:
+        """Publish to its target; ack once confirmed. A target that refuses it gets it
+        again after a back-off hop (``Decider.after_refusal``), until it is parked."""
         delivery, envelope, arrived = final.delivery, final.envelope, final.arrived_us
         target = f"exchange {envelope.exchange!r} routing key {envelope.routing_key!r}"
 
@@ -801,21 +739,23 @@ class _Session:
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
-                self._park(delivery, Park(reason, ParkKind.UNROUTABLE))
+                self.detours.park(delivery, Park(reason, ParkKind.UNROUTABLE))
             elif outcome is amqp.Outcome.NACK:
                 refusal = f"the broker refused the publish to {target} (basic.nack: a full queue"
                 refusal += " with x-overflow=reject-publish, or an unavailable one)"
                 decision = self.relay.decider.after_refusal(envelope, now, refusal)
                 if isinstance(decision, Park):
-                    self._park(delivery, decision)
+                    self.detours.park(delivery, decision)
                     return
                 if self.stats.first_problem(target, "refused: trying again after a back-off"):
                     log.warning("%s; trying again in %d ms", refusal, decision.step_ms)
                 self._hop(delivery, envelope, decision.step_ms, retry=True)
             elif isinstance(detail, ChannelClosedError):
-                self._park(delivery, Park(_refused(detail, envelope.exchange), ParkKind.REFUSED))
+                park = Park(_refused(detail, envelope.exchange), ParkKind.REFUSED)
+                self.detours.park(delivery, park)
             elif not isinstance(detail, BrokerConnectionLost):  # never left unsettled
-                self._park(delivery, Park(f"cannot publish it: {detail!r}", ParkKind.REFUSED))
+                park = Park(f"cannot publish it: {detail!r}", ParkKind.REFUSED)
+                self.detours.park(delivery, park)
             # else: the connection is gone; unacked, the broker delivers it again
 
         self._publish(
@@ -827,139 +767,9 @@ class _Session:
             delivered,
         )
 
-    def _park(self, delivery: amqp.Delivery, park: Park) -> None:
-        assert delivery.properties is not None
-        headers: Mapping[str, Any] = delivery.properties.headers or {}
-        target = f"{headers.get(HEADER_EXCHANGE)!r}/{headers.get(HEADER_ROUTING_KEY)!r}"
-        properties = parked_properties(delivery.properties, park.reason, park.kind, self.clock())
-        self._publish_parked(delivery, properties.encode(), park, target)
-
-    def _park_as_is(self, delivery: amqp.Delivery) -> None:
-        """Park a delivery whose properties cannot be decoded, with them as received."""
-        park = Park(f"cannot decode its properties: {delivery.error}", ParkKind.UNDECODABLE)
-        self._publish_parked(delivery, delivery.raw_properties, park, "an unknown target")
-
-    def _guarded(
-        self, delivery: amqp.Delivery, outcome: _Outcome, result: amqp.Outcome, detail: Any
-    ) -> None:
-        """Run ``outcome``; if it fails (a bug), hand the delivery back to be parked."""
-        try:
-            outcome(result, detail)
-        except Exception as error:
-            log.exception("the relay failed on a publish's outcome (%s)", result.value)
-            self._reject(delivery, f"the relay failed on it: {error!r}")
-
-    def _publish_parked(
-        self,
-        delivery: amqp.Delivery,
-        properties: bytes,
-        park: Park,
-        target: str,
-        *,
-        redeclared: bool = False,
-    ) -> None:
-        def parked(outcome: amqp.Outcome, detail: Any) -> None:
-            if outcome is amqp.Outcome.ACK:
-                self.stats.record_parked(park.kind)
-                self.acker.done(delivery.delivery_tag)
-                if park.kind in NOTICED:
-                    self.relay.cancel_reader.note_parked(
-                        self.publisher, _schedule_id(delivery), park.kind
-                    )
-                if self.stats.first_problem(target, f"parked ({park.kind})"):
-                    log.warning(
-                        "parked a message for %s (schedule id %s): %s",
-                        target,
-                        _schedule_id(delivery),
-                        park.reason,
-                    )
-            elif outcome is amqp.Outcome.RETURNED and not redeclared:
-                self._after_redeclare(  # the parking queue is gone: declare it again
-                    self.topology.parked_queue,
-                    lambda: self._publish_parked(
-                        delivery, properties, park, target, redeclared=True
-                    ),
-                )
-            elif not isinstance(detail, BrokerConnectionLost) and not self._refused_own(detail):
-                failure = f"{outcome.value} {detail or ''}".rstrip()
-                self._reject(delivery, f"{park.reason}; and parking it failed: {failure}")
-
-        try:
-            self.publisher.publish(
-                LADDER_LANE,
-                "",
-                self.topology.parked_queue,
-                delivery.body,
-                properties,
-                functools.partial(self._guarded, delivery, parked),
-            )
-        except BrokerConnectionLost:
-            pass
-        except (ValueError, TypeError) as error:
-            self._reject(delivery, f"{park.reason}; and parking it failed: {error}")
-
-    def _not_published(
-        self, delivery: amqp.Delivery, what: str, outcome: amqp.Outcome, detail: Any
-    ) -> None:
-        if isinstance(detail, BrokerConnectionLost) or self._refused_own(detail):
-            return
-        reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
-        self._park(delivery, Park(reason, ParkKind.REFUSED))
-
-    def _refused_own(self, detail: Any) -> bool:
-        """Whether a publish to the prefix's own queues (a hop, parking) was refused for
-        want of a permission (403): then the session ends and the relay exits, the
-        delivery left unacked (the broker delivers it again), rather than park every
-        message for ever."""
-        if not isinstance(detail, ChannelClosedError) or detail.reply_code != 403:
-            return False
-        if not self.refused.done():
-            refusal = f"the broker refused ({detail}): this needs write permission on amq.default"
-            self.refused.set_result(self._access_refused(refusal + " (hops and parking)"))
-        return True
-
-    def _reject(self, delivery: amqp.Delivery, reason: str) -> None:
-        """The last resort: the broker dead-letters it into the parking queue."""
-        self.stats.record_rejected()
-        self.acker.rejected(delivery.delivery_tag)
-        # its dead-lettered copy carries no reason: say it in the stream (parked list)
-        self.relay.cancel_reader.note_parked(
-            self.publisher, _schedule_id(delivery), "handed_back", reason
-        )
-        log.error(
-            "could not park a message (schedule id %s): %s; handed back to %s to "
-            "dead-letter into %s",
-            _schedule_id(delivery),
-            reason,
-            self.topology.relay_queue,
-            self.topology.parked_queue,
-        )
-
-    def _after_redeclare(self, queue: str, then: Callable[[], None]) -> None:
-        """Declare ``queue`` again (deleted at runtime: an operator, an ``expires``
-        policy), then run ``then``; one declare at a time per queue."""
-        pending = self._redeclaring.get(queue)
-        if pending is None:
-            log.warning("queue %s is missing; declaring it again", queue)
-            pending = asyncio.ensure_future(self._declare([queue]))
-            self._redeclaring[queue] = pending
-            pending.add_done_callback(functools.partial(self._redeclared, queue))
-        pending.add_done_callback(lambda _: then())
-
-    def _redeclared(self, queue: str, declared: asyncio.Future[None]) -> None:
-        self._redeclaring.pop(queue, None)
-        if not declared.cancelled() and (error := declared.exception()) is not None:
-            log.warning("declaring %s again failed (%s)", queue, error)  # then: parked
-
 
 def _held_size(delivery: amqp.Delivery) -> int:
     return len(delivery.body) + len(delivery.raw_properties) + _HELD_OVERHEAD
-
-
-def _schedule_id(delivery: amqp.Delivery) -> str:
-    headers = delivery.properties.headers if delivery.properties is not None else None
-    value = headers.get(HEADER_ID) if headers is not None else None
-    return value if isinstance(value, str) else "?"
 
 
 def _refused(error: ChannelClosedError, exchange: str) -> str:
