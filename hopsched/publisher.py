@@ -27,8 +27,11 @@ has confirmed a publish of go first, for a channel and for room in the window (e
 ``_UNPROVEN_TURN``-th turn goes to the others): thousands of lanes to missing
 exchanges, each refused at its first publish, do not hold back a healthy target's.
 With ``window``,
-at most that many publishes are sent and unconfirmed at once, all lanes together:
-what a crash of the publishing process can duplicate.
+at most that many publishes are sent and unconfirmed at once, all lanes together; with
+``lane_window``, at most that many per lane. What is sent and unconfirmed is what a
+crash of the publishing process can duplicate (the broker may have routed it, and the
+delivery that led to it is delivered again); a window per lane bounds that without
+letting one slow target hold back the others' publishes.
 """
 
 from __future__ import annotations
@@ -134,6 +137,8 @@ class Publisher:
             channel in use: each is refused by a channel close.
         window: publishes sent and not yet confirmed at most, all lanes together (None:
             no limit); the rest wait in order.
+        lane_window: publishes sent and not yet confirmed at most on one lane (None: no
+            limit); the rest wait in order, sent as confirms come back.
     """
 
     def __init__(
@@ -142,6 +147,7 @@ class Publisher:
         *,
         max_lanes: int | None = None,
         window: int | None = None,
+        lane_window: int | None = None,
     ) -> None:
         self.connection = connection
         self._lanes: dict[str, _Lane] = {}
@@ -153,6 +159,7 @@ class Publisher:
         self._proven: dict[str, None] = {}  # lanes with a confirmed publish, oldest first
         self._proven_kept = min(_PROVEN_IDLE_KEPT, self._max_lanes // 2)
         self._window = window if window is not None else math.inf
+        self._lane_window = lane_window if lane_window is not None else math.inf
         self._unconfirmed = 0
         self._blocked = _Turns()
         self._purge_at = 2 * self._max_lanes
@@ -333,6 +340,8 @@ class Publisher:
                 self._probe(lane)
             return
         while lane.waiting and lane.channel is not None and not lane.suspects:
+            if len(lane.in_flight) >= self._lane_window:
+                return  # sent on as its confirms come back (``_turn_over``)
             if self._unconfirmed >= self._window:
                 if not lane.blocked:
                     lane.blocked = True

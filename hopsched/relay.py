@@ -66,6 +66,11 @@ log = logging.getLogger("hopsched.relay")
 
 #: Bytes a held message costs beyond its body and properties (objects, timer entry).
 _HELD_OVERHEAD = 600
+#: Publishes sent and not yet confirmed at most per lane (the ladder's, each target
+#: exchange's): what a relay killed mid-burst can duplicate, per busy lane (F35: 6,000
+#: due at once, killed 0.1 s after, had duplicated 3,800). 256 in flight still keep a
+#: lane at the broker's pace (see docs/guarantees.md for the figures).
+LANE_WINDOW = 256
 
 
 class Relay:
@@ -340,7 +345,7 @@ class _Session:
         self.stats = relay.stats
         self.clock = relay.clock
         self.connection = connection
-        self.publisher = Publisher(connection)
+        self.publisher = Publisher(connection, lane_window=LANE_WINDOW)
         self.holds = Holds(self.clock, self._release, wall_timer=self.clock is now_us)
         self.held_bytes = 0
         prefetch = self.settings.prefetch

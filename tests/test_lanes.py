@@ -85,6 +85,44 @@ async def test_lanes_take_turns_on_few_channels_within_the_window(
     assert most["channels"] == 4  # they did take turns
 
 
+async def test_a_lane_window_bounds_each_lane_alone(
+    broker_url: str, targets: Targets, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    """``lane_window=8``: two lanes with 60 publishes each never have more than 8
+    unconfirmed each (16 together), and all 120 are confirmed and in their queue."""
+    queue = await targets.queue(consume=False)
+    exchange = await targets.exchange(kind=aio_pika.ExchangeType.FANOUT)
+    await targets.bind(queue.name, exchange)
+    connection = await open_connection(broker_url)
+    publisher = Publisher(connection, lane_window=8)
+    outcomes = Outcomes()
+    most = {"unconfirmed": 0}
+
+    def publish(key: Any, lane: str, exchange: str, routing_key: str) -> None:
+        done = outcomes.callback(key)
+
+        def settled(outcome: Outcome, detail: Any) -> None:
+            most["unconfirmed"] = max(most["unconfirmed"], publisher.unconfirmed)
+            done(outcome, detail)
+
+        publisher.publish(lane, exchange, routing_key, b"x", encoded(), settled)
+        most["unconfirmed"] = max(most["unconfirmed"], publisher.unconfirmed)
+
+    try:
+        for index in range(60):
+            publish(("ladder", index), LADDER_LANE, "", queue.name)
+            publish(("target", index), target_lane(exchange), exchange, "")
+        await outcomes.wait(within=30)
+    finally:
+        await publisher.close()
+        await connection.close()
+
+    assert all(calls == [(Outcome.ACK, None)] for calls in outcomes.calls.values())
+    assert len(outcomes.calls) == 120
+    assert await message_count(amqp, queue.name) == 120
+    assert 8 < most["unconfirmed"] <= 16, most  # both lanes full at once, neither past its window
+
+
 @pytest.mark.slow  # starts a private node
 async def test_F32_more_busy_targets_than_channels_delivers_or_parks_all(
     start_private_broker: StartBroker, prefix: str, relays: Relays
