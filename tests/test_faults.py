@@ -671,8 +671,10 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     assert relay.count("lost the connection") == 2, relay.log
     assert relay.returncode is None
     assert at_kills[0][0] > 0, at_kills  # in the steps at the first kill
-    if queue_type == "quorum":  # classic may have lost its steps' messages in the first kill
-        assert at_kills[1][0] > 0, at_kills
+    # At the second kill the steps' depths are not asserted: a quorum queue's count reads
+    # 0 for a while after its node restarted (seen on a loaded machine: (0, 520) with the
+    # messages due 33-45 s still to come, all delivered), and classic ones may have lost
+    # their messages in the first kill.
     assert at_kills[1][1] > 0, at_kills  # waiting in the relay queue at the second kill
     assert after_restart, "no message fell due during an outage"
     assert max(after_restart) < 15_000_000, "messages due in an outage came late after it"
