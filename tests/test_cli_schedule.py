@@ -85,7 +85,8 @@ async def test_schedule_sets_every_property_and_typed_header_it_offers(
 async def test_a_header_its_type_refuses_is_bad_input(
     settings: hopsched.Settings, header: str, says: str
 ) -> None:
-    await declare_topology(settings)
+    if header.startswith("big:"):  # the others are refused before connecting (exit 2, not 4)
+        await declare_topology(settings)
 
     status, out, err = await hopsched_cli(
         "schedule", "--in", "1h", "--routing-key", "q", "--header", header, settings=settings
