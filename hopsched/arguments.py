@@ -42,6 +42,24 @@ def _datetime(text: str) -> datetime:
     return value
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("write a whole number, e.g. 3") from None
+
+
+def _json(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{error}; e.g. '{{\"a\": [1]}}'") from None
+    if not isinstance(value, dict | list):
+        kind = {bool: "a boolean", str: "a string", type(None): "null"}.get(type(value), "a number")
+        raise ValueError(f"that is {kind}; for a lone value use the type int, float, bool or str")
+    return value
+
+
 def _float(text: str) -> float:
     value = float(text)
     if value != value or value in (float("inf"), float("-inf")):
@@ -52,16 +70,20 @@ def _float(text: str) -> float:
 #: Each type a header may be given as, and what it becomes: ``str`` (the default),
 #: ``int`` (AMQP signed 64-bit), ``float`` (AMQP sends 32 bits: about 7 digits),
 #: ``decimal`` (AMQP decimal, exact), ``bool``, ``datetime`` (AMQP timestamp, whole
-#: seconds; ISO 8601 with an offset), ``json`` (a table, array, or any JSON value).
+#: seconds; ISO 8601 with an offset), ``json`` (a table or an array).
 HEADER_TYPES: dict[str, Callable[[str], Any]] = {
     "str": str,
-    "int": int,
+    "int": _int,
     "float": _float,
     "decimal": _decimal,
     "bool": _bool,
     "datetime": _datetime,
-    "json": json.loads,
+    "json": _json,
 }
+
+
+#: What a value of each type is called in an error ("not an int").
+_NAMES = {"int": "an int", "json": "a JSON table or array"}
 
 
 def parse_header(item: str) -> tuple[str, Any]:
@@ -88,4 +110,4 @@ def parse_header(item: str) -> tuple[str, Any]:
     try:
         return key, HEADER_TYPES[kind](text)
     except ValueError as error:
-        raise ValueError(f"{item!r}: not a {kind} ({error})") from None
+        raise ValueError(f"{item!r}: not {_NAMES.get(kind, 'a ' + kind)} ({error})") from None

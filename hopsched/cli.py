@@ -53,6 +53,8 @@ EXIT_NOT_REPLAYED = 3
 EXIT_NO_PREFIX = 4
 #: ``schedule --at`` further in the past than this (µs) gets a warning.
 _PAST_WARNING_US = 60_000_000
+#: ``Context.meta`` key: ``main()`` has configured logging.
+_LOGGING_SET = "hopsched.logging"
 #: ``upgrade`` prints a progress line every this many messages moved.
 _PROGRESS_EVERY = 1000
 
@@ -89,6 +91,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except click.ClickException as error:
             if ctx.params.get("log_format") == "json":
+                if not ctx.meta.get(_LOGGING_SET):  # an unknown command: main() did not run
+                    configure_logging(0, "json")
                 raise _JsonFailure(error) from None
             raise
 
@@ -189,6 +193,7 @@ def main(verbose: int, log_format: str) -> None:
          status: nothing of the prefix exists
     """
     configure_logging(verbose, cast(LogFormat, log_format))
+    click.get_current_context().meta[_LOGGING_SET] = True
 
 
 @main.command()
@@ -331,6 +336,19 @@ def schedule(
         raise click.UsageError("give at most one of --body and --body-file")
     if expiration is not None and expiration < timedelta(0):
         raise click.BadParameter("must be 0 or more", param_hint="--expiration")
+    for option, text in (
+        ("--message-id", message_id),
+        ("--correlation-id", correlation_id),
+        ("--content-type", content_type),
+    ):
+        if text == "":
+            raise click.BadParameter("empty: give a value, or leave it out", param_hint=option)
+    if expiration is not None and expiration % timedelta(milliseconds=1):
+        raise click.BadParameter(
+            f"{expiration.total_seconds() * 1000:g} ms: RabbitMQ's expiration is whole "
+            "milliseconds, e.g. 2ms or 30s",
+            param_hint="--expiration",
+        )
     header_table: dict[str, Any] = {}
     for item in headers:
         try:

@@ -178,6 +178,8 @@ async def _connect_one(
     except aiormq.exceptions.AMQPConnectionError as error:
         if isinstance(error.__cause__, OSError):  # aiormq wraps socket errors
             raise unreachable(settings, error.__cause__, node_url) from None
+        if isinstance(error.__cause__, asyncio.IncompleteReadError):  # before connection.start
+            raise BrokerUnavailableError(_not_amqp(url, error.__cause__.partial)) from None
         raise _refused(settings, error, node_url) from None
     except aiormq.exceptions.AMQPError as error:  # e.g. Connection.Close for a missing vhost
         raise _refused(settings, error, node_url) from None
@@ -223,6 +225,21 @@ def _refused(settings: Settings, error: BaseException | None, url: str) -> Broke
         f"{f' ({reason})' if reason else ''}; check that the vhost in the URL exists and "
         "the user may use it (rabbitmqctl list_permissions -p VHOST), and that the port "
         "is RabbitMQ's AMQP port"
+    )
+
+
+def _not_amqp(masked_url: str, received: bytes) -> str:
+    """The error text for a peer that closed the connection before a whole AMQP frame
+    came (``received``: what it sent): nothing at all, or something that is not AMQP."""
+    if not received:
+        return (
+            f"{masked_url}: the peer closed the connection before the AMQP handshake; is "
+            "this RabbitMQ's AMQP port (5672, or 5671 for amqps)?"
+        )
+    return (
+        f"{masked_url}: the peer answered with something that is not AMQP and closed the "
+        "connection; check that this is RabbitMQ's AMQP port (5672, or 5671 for amqps; "
+        "15672 is the management API's)"
     )
 
 

@@ -14,7 +14,14 @@ from typing import Literal, TextIO
 
 from hopsched.settings import mask_url
 
-__all__ = ["AMQP_LOGGERS", "JsonFormatter", "LogFormat", "MaskUrlFilter", "configure_logging"]
+__all__ = [
+    "AMQP_LOGGERS",
+    "JsonFormatter",
+    "LogFormat",
+    "MaskUrlFilter",
+    "RaisedAnywayFilter",
+    "configure_logging",
+]
 
 LogFormat = Literal["text", "json"]
 
@@ -47,6 +54,20 @@ class MaskUrlFilter(logging.Filter):
         return True
 
 
+class RaisedAnywayFilter(logging.Filter):
+    """Drops aiormq's "error when creating transport" line: aiormq logs it at ERROR and
+    then raises the same error, which hopsched reports as a ``BrokerUnavailableError``
+    naming the URL and what to check (the line came first, a second, rawer report of one
+    cause). Lets every other record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.name == "aiormq.connection"
+            and isinstance(record.msg, str)
+            and record.msg.startswith("error when creating transport")
+        )
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ``time`` (ISO 8601, UTC, ms), ``level``, ``logger``,
     ``message`` and, if the record has one, ``exception`` (the traceback text)."""
@@ -77,7 +98,8 @@ def configure_logging(
     Args:
         verbosity: 0: INFO and above; 1: hopsched's own DEBUG lines too; 2 or more:
             also aiormq's and aio-pika's frame-level DEBUG lines. Below 2 those two
-            libraries log WARNING and above only.
+            libraries log WARNING and above only, and not what ``RaisedAnywayFilter``
+            drops.
         log_format: ``"text"`` (one line per record) or ``"json"`` (``JsonFormatter``).
         stream: where the lines go.
 
@@ -89,6 +111,8 @@ def configure_logging(
         JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
     )
     handler.addFilter(MaskUrlFilter())
+    if verbosity < 2:
+        handler.addFilter(RaisedAnywayFilter())
     root = logging.getLogger()
     for old in root.handlers[:]:
         root.removeHandler(old)

@@ -195,6 +195,10 @@ def check_request(
     Raises:
         InvalidScheduleError: anything AMQP, RabbitMQ or hopsched cannot carry, naming it.
     """
+    if not isinstance(request, ScheduleRequest):
+        raise InvalidScheduleError(
+            f"{shorten(request)}: must be a ScheduleRequest(message, routing_key, ...)"
+        )
     due_us = due_time_us(request.at, request.delay, now_us)
     exchange, routing_key = request.exchange, request.routing_key
     _check_target(exchange, routing_key, targets)
@@ -392,11 +396,13 @@ def _body_and_properties(
                 f"message {shorten(message)}: must be an aio_pika.Message or bytes"
             )
         expiration = getattr(message, "expiration", None)
-        if expiration is not None and not isinstance(expiration, (int, float, timedelta, datetime)):
+        if (
+            expiration is not None and not isinstance(expiration, (int, float, timedelta, datetime))
+        ) or (isinstance(expiration, float) and not math.isfinite(expiration)):
             raise InvalidScheduleError(
-                f"expiration={shorten(expiration)}: aio-pika takes seconds (int or float), "
-                "a timedelta or a datetime; the final publish carries it as RabbitMQ's ms "
-                "string"
+                f"expiration={shorten(expiration)}: aio-pika takes seconds (int or finite "
+                "float), a timedelta or a datetime; the final publish carries it as "
+                "RabbitMQ's ms string"
             )
         try:
             body, properties = message.body, message.properties
@@ -422,6 +428,12 @@ def _check_target(exchange: str, routing_key: str, targets: TargetPolicy) -> Non
     of the target's name belongs here)."""
     _check_name("exchange", exchange)
     _check_name("routing_key", routing_key)
+    if exchange == "" == routing_key:
+        raise InvalidScheduleError(
+            "routing_key '': the default exchange routes by queue name and no queue is "
+            "named '', so nothing would receive it; give the target queue's name, or an "
+            "exchange"
+        )
     if refusal := targets.refusal(exchange, routing_key):
         raise InvalidScheduleError(refusal)
 

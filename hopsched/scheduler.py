@@ -51,6 +51,7 @@ from hopsched.publisher import LADDER_LANE, Publisher
 from hopsched.routes import check_route
 from hopsched.settings import Settings
 from hopsched.topology import Topology, declare_topology
+from hopsched.validate import shorten
 
 __all__ = [
     "CANCEL_LEAD_S",
@@ -330,8 +331,9 @@ class Scheduler:
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
                 both/neither of at/delay, a routing key or exchange longer than 255
-                bytes, a target ``Settings.allowed_targets`` does not allow or one of
-                hopsched's own objects (exchange or queue ``{prefix}.…``), a header or
+                bytes, an empty routing key on the default exchange, a target
+                ``Settings.allowed_targets`` does not allow or one of hopsched's own
+                objects (exchange or queue ``{prefix}.…``), a header or
                 ``expiration`` AMQP or RabbitMQ cannot carry, headers too large for one
                 frame, a ``user_id`` other than the login.
             BrokerUnavailableError: no broker answers; ``BrokerConnectionLost`` (a
@@ -388,6 +390,10 @@ class Scheduler:
             are settled (the others may have been scheduled: see their ids in
             ``error.__notes__``).
         """
+        if not isinstance(requests, Iterable):
+            raise InvalidScheduleError(
+                f"requests {shorten(requests)}: must be an iterable of ScheduleRequest"
+            )
         checked = []
         for index, request in enumerate(requests):
             try:
@@ -439,7 +445,17 @@ class Scheduler:
     async def cancel_many(
         self, schedules: Iterable[str | Scheduled], *, due: datetime | None = None
     ) -> list[Cancelled]:
-        """``cancel()`` for many schedules, in one confirmed write per thousand."""
+        """``cancel()`` for many schedules, in one confirmed write per thousand.
+
+        Raises:
+            As ``cancel()``; InvalidScheduleError for a ``str`` (one id, not its
+            characters: ``cancel()`` or ``[id]``) or anything not iterable.
+        """
+        if isinstance(schedules, str | bytes) or not isinstance(schedules, Iterable):
+            raise InvalidScheduleError(
+                f"schedules {shorten(schedules)}: give a list of schedule ids (or "
+                "cancel(id) for one), not a str or other non-iterable"
+            )
         now = self._clock()
         records, results = [], []
         for schedule in schedules:

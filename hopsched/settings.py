@@ -396,7 +396,8 @@ class Settings:
         is not None.
 
         Raises:
-            InvalidSettingsError: a variable does not parse as its field's type.
+            InvalidSettingsError: a variable does not parse as its field's type, or a
+                value is refused (the message starts with the variables it came from).
         """
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}
@@ -414,8 +415,33 @@ class Settings:
                 raise InvalidSettingsError(
                     f"{_ENV}{f.name.upper()}={raw!r}: expected {kind.__name__}"
                 ) from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        given = {k: v for k, v in overrides.items() if v is not None}
+        from_environ = {name: _ENV + name.upper() for name in values if name not in given}
+        values.update(given)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except InvalidSettingsError as error:
+            culprits = _culprits(cls, values, from_environ, str(error))
+            if not culprits:
+                raise
+            raise InvalidSettingsError(f"{', '.join(culprits)}: {error}") from None
+
+
+def _culprits(
+    cls: type[Settings], values: dict[str, object], from_environ: dict[str, str], refusal: str
+) -> list[str]:
+    """The variables among ``from_environ`` (field → variable) without which ``values``
+    no longer give the error ``refusal``: those an error from ``from_env`` names."""
+    culprits = []
+    for name, variable in from_environ.items():
+        others = {k: v for k, v in values.items() if k != name}
+        try:
+            cls(**others)  # type: ignore[arg-type]
+        except InvalidSettingsError as error:
+            if str(error) == refusal:
+                continue
+        culprits.append(variable)
+    return culprits
 
 
 def _masked(value: object) -> object:

@@ -140,7 +140,7 @@ def test_tiny_burst_run_reports_first_and_last_delivery(broker_url: str, tmp_pat
     out = tmp_path / "out.json"
     command = [
         sys.executable, str(SCRIPT), "--scenario", "burst",
-        "--burst-counts", "100,200", "--burst-lead", "2s",
+        "--burst-counts", "100,200", "--burst-lead", "1s",
         "--strategies", "hopsched-quorum,delayed-exchange,broker-floor",
         "--hopsched-path", str(checkout), "--url", broker_url, "--json", str(out),
     ]  # fmt: skip

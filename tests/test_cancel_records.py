@@ -154,7 +154,9 @@ def test_a_cancel_that_knows_the_due_time_keeps_a_rescheduled_later_one() -> Non
 def test_a_pending_cancellation_costs_at_most_200_bytes(signed: bool) -> None:
     """The issue's memory bound: 1,000,000 pending cancellations under 200 MB (signed
     ones are kept under their key id too)."""
-    batch = [Record(CANCEL, uuid.uuid4().hex, NOW + index) for index in range(100_000)]
+    # 25,000 fill the id dict (2**15 slots) as 100,000 fill 2**17: the same bytes per
+    # record, measured under tracemalloc in a quarter of the time.
+    batch = [Record(CANCEL, uuid.uuid4().hex, NOW + index) for index in range(25_000)]
     if signed:
         batch = Signatures((SigningKey("2026-12", b"k" * 32),), "p").sign_records(batch)
     body = encode_records(batch)

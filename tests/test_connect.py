@@ -176,6 +176,38 @@ async def test_a_peer_that_takes_tcp_but_never_speaks_is_not_blamed_on_the_port_
         assert PASSWORD not in text
 
 
+@pytest.fixture
+async def http_port() -> AsyncIterator[int]:
+    """A TCP port that answers like an HTTP server (the management API's port, say) and
+    closes the connection."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(8)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_peer_that_speaks_something_else_is_named_as_not_amqp(http_port: int) -> None:
+    """Found by a new-user trial: ``hopsched status`` on an HTTP port said the broker
+    closed the connection and to check the vhost and the user's permissions."""
+    url = f"amqp://guest:{PASSWORD}@127.0.0.1:{http_port}/"
+
+    with pytest.raises(hopsched.BrokerUnavailableError) as caught:
+        await hopsched.connect.connect(hopsched.Settings(url=url))
+
+    text = str(caught.value)
+    assert "answered with something that is not AMQP" in text, text
+    assert "AMQP port" in text
+    assert "vhost" not in text
+    assert "permissions" not in text
+    assert PASSWORD not in text
+
+
 async def test_relay_stops_at_once_while_still_connecting(silent_port: int) -> None:
     relay = hopsched.Relay(hopsched.Settings(url=f"amqp://guest:guest@127.0.0.1:{silent_port}/"))
     running = asyncio.create_task(relay.run())

@@ -5,6 +5,7 @@ and ``Error:`` lines follow ``--log-format json``."""
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from support import hopsched_cli
@@ -63,3 +64,32 @@ async def test_error_lines_follow_the_json_log_format(broker_url: str) -> None:
     (line,) = [json.loads(text) for text in err.strip().splitlines()]
     assert line["level"] == "ERROR"
     assert "exactly one of --at and --in" in line["message"]
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_nothing_listening_is_said_once_by_status(log_format: str) -> None:
+    """Found by a new-user trial: aiormq's raw "error when creating transport" ERROR line
+    came before ``status``'s own error, which says the same and what to check."""
+    url = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
+
+    status, out, err = await hopsched_cli("--log-format", log_format, "status", "--url", url)
+
+    assert status == 1, (out, err)
+    (line,) = err.strip().splitlines()
+    assert "cannot reach the broker" in line
+    assert "creating transport" not in err
+
+
+async def test_an_unknown_command_follows_the_json_log_format() -> None:
+    status, out, err = await hopsched_cli("--log-format", "json", "no-such-command")
+
+    assert status == 2, (out, err)
+    (line,) = [json.loads(text) for text in err.strip().splitlines()]
+    assert line["level"] == "ERROR"
+    assert "No such command 'no-such-command'" in line["message"]

@@ -18,6 +18,7 @@ from support import message_count, rabbitmqctl, require_rabbitmqctl
 TESTS = Path(__file__).parent
 
 
+@pytest.mark.slow  # about 30 rabbitmqctl calls, ~1 s of CPU each: 30 s on two cores
 async def test_F38_the_leftover_check_finds_and_removes_what_a_test_left(
     broker_url: str,
 ) -> None:
@@ -39,12 +40,16 @@ async def test_F38_the_leftover_check_finds_and_removes_what_a_test_left(
         Thing("policy", f"{tag}-policy", "/"),
     }
     try:
-        for args in (
-            ("add_user", f"{tag}-user", "pw"),
-            ("add_vhost", f"{tag} vhost é"),
-            ("set_policy", "-p", "/", f"{tag}-policy", f"^{tag}", '{"max-length": 5}'),
-        ):
-            await rabbitmqctl(*args)
+        await asyncio.gather(  # independent: at once (each rabbitmqctl boots an Erlang VM)
+            *(
+                rabbitmqctl(*args)
+                for args in (
+                    ("add_user", f"{tag}-user", "pw"),
+                    ("add_vhost", f"{tag} vhost é"),
+                    ("set_policy", "-p", "/", f"{tag}-policy", f"^{tag}", '{"max-length": 5}'),
+                )
+            )
+        )
 
         found = await asyncio.to_thread(snapshot, command) - before
         assert left_behind <= found, found

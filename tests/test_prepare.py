@@ -106,6 +106,85 @@ def test_a_property_out_of_range_is_refused_naming_it(values: dict[str, Any], sa
     assert says in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    ("expiration", "says"),
+    [
+        pytest.param("-1", "is negative", id="negative"),
+        pytest.param("315360000001", "over 10 years", id="over-10-years"),
+        pytest.param("1.5", "plain digits", id="fraction"),
+        pytest.param("", "is empty", id="empty"),
+        pytest.param("+5", "has a sign", id="signed"),
+        pytest.param(5.0, "has type float", id="float"),
+        pytest.param(-1, "negative", id="int-negative"),
+    ],
+)
+def test_an_expiration_property_out_of_range_is_refused(expiration: Any, says: str) -> None:
+    with pytest.raises(hopsched.InvalidScheduleError, match="expiration") as refused:
+        prepare(raw(expiration=expiration))
+
+    assert says in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "expiration",
+    [-1, 10**30, math.inf, -math.inf, math.nan, timedelta(seconds=-1), "100"],
+    ids=["negative", "huge", "inf", "-inf", "nan", "timedelta-negative", "str"],
+)
+def test_an_aio_pika_expiration_out_of_range_is_refused_naming_it(expiration: Any) -> None:
+    """aio-pika converts seconds to RabbitMQ's ms string on the way (and fails on inf)."""
+    message = aio_pika.Message(b"x", expiration=expiration)
+
+    with pytest.raises(hopsched.InvalidScheduleError, match="expiration"):
+        prepare(message)
+
+
+@pytest.mark.parametrize("name", SHORT_STRINGS)
+def test_every_short_string_property_over_255_bytes_is_refused(name: str) -> None:
+    if name != "user_id":  # (which must be the login user's name)
+        prepare(raw(**{name: "é" * 127}))  # 254 bytes
+    with pytest.raises(hopsched.InvalidScheduleError, match="at most 255 bytes"):
+        prepare(raw(**{name: "é" * 127 + "ab"}))  # 256 bytes
+
+
+def test_what_is_not_a_schedule_request_or_routes_nowhere_is_refused() -> None:
+    for request in (b"x", None, ("m", "q")):
+        with pytest.raises(hopsched.InvalidScheduleError, match="must be a ScheduleRequest"):
+            check_request(
+                request,  # type: ignore[arg-type]
+                now_us=NOW_US,
+                ladder=SETTINGS.ladder,
+                topology=TOPOLOGY,
+                targets=SETTINGS.target_policy,
+                login=SETTINGS.login,
+                frame_max=131_072,
+            )
+    with pytest.raises(hopsched.InvalidScheduleError, match="no queue is named ''"):
+        check_request(
+            ScheduleRequest(b"x", "", delay=1),
+            now_us=NOW_US,
+            ladder=SETTINGS.ladder,
+            topology=TOPOLOGY,
+            targets=SETTINGS.target_policy,
+            login=SETTINGS.login,
+            frame_max=131_072,
+        )
+
+
+async def test_the_schedulers_many_calls_refuse_what_is_not_a_list_before_connecting() -> None:
+    """Found by a new-user trial: ``schedule_many([b"x"])`` raised AttributeError, and
+    ``cancel_many("order-42")`` cancelled the ids 'o', 'r', 'd', ... (a str iterates)."""
+    scheduler = hopsched.Scheduler(hopsched.Settings(url="amqp://guest:guest@127.0.0.1:1/"))
+
+    for requests in (None, 5, ScheduleRequest(b"x", "q", delay=1)):
+        with pytest.raises(hopsched.InvalidScheduleError, match="iterable of ScheduleRequest"):
+            await scheduler.schedule_many(requests)  # type: ignore[arg-type]
+    with pytest.raises(hopsched.InvalidScheduleError, match=r"request 0: .*ScheduleRequest"):
+        await scheduler.schedule_many([b"x"])  # type: ignore[list-item]
+    for schedules in ("order-42", b"order-42", None):
+        with pytest.raises(hopsched.InvalidScheduleError, match="list of schedule ids"):
+            await scheduler.cancel_many(schedules)  # type: ignore[arg-type]
+
+
 def test_the_aio_pika_message_of_the_trial_is_refused() -> None:
     for priority in (300, -1):
         with pytest.raises(hopsched.InvalidScheduleError, match=f"priority={priority}"):

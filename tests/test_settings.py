@@ -160,8 +160,22 @@ def test_bad_value_raises_invalid_settings_error_saying_what_is_wrong(
 
     for text in expected:
         assert text in str(caught.value)
+    for variable in environ:  # a trial found only the type errors named theirs
+        assert variable in str(caught.value)
     assert isinstance(caught.value, HopschedError)
     assert isinstance(caught.value, ValueError)
+
+
+def test_a_refused_value_names_the_variable_it_came_from_only() -> None:
+    environ = {"HOPSCHED_PREFETCH": "0", "HOPSCHED_PREFIX": "ok"}
+
+    with pytest.raises(InvalidSettingsError) as caught:
+        Settings.from_env(environ, prefix="from-cli")
+    assert str(caught.value).startswith("HOPSCHED_PREFETCH: prefetch 0: must be 1..65535")
+    with pytest.raises(InvalidSettingsError) as caught:  # an override's: no variable
+        Settings.from_env(environ, prefix="has space")
+    assert str(caught.value).startswith("prefix 'has space':")
+    assert Settings.from_env(environ, prefetch=5).prefetch == 5  # overridden: not read
 
 
 def test_nan_log_interval_is_rejected() -> None:
