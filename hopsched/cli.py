@@ -29,7 +29,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
-from hopsched.journal import HELD, PENDING, ScheduleInfo
+from hopsched.journal import CANCELLED, HELD, PENDING, JournalFold, ScheduleInfo
 from hopsched.journal_io import read_journal
 from hopsched.logs import LogFormat, configure_logging
 from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowledged
@@ -420,22 +420,43 @@ def cancel(
     url: str | None, prefix: str | None, queue_type: str | None, schedule_ids: tuple[str, ...]
 ) -> None:
     """Cancel schedules by id: their messages scheduled before now are not delivered (a
-    cancel confirmed 50 ms or more before the due time, never). An id nothing is
-    scheduled for, or already delivered, is not an error."""
+    cancel confirmed 50 ms or more before the due time, never). Then says, from the
+    journal, which ids had something pending. An id nothing is scheduled for, or already
+    delivered, is not an error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
-    async def go() -> list[Cancelled]:
+    async def go() -> tuple[list[Cancelled], JournalFold | str]:
         async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
-            return await scheduler.cancel_many(schedule_ids)
+            results = await scheduler.cancel_many(schedule_ids)
+        try:
+            return results, await read_journal(settings, copies=False)
+        except HopschedError as error:
+            return results, str(error)
 
-    for result in _run(go()):
-        click.echo(f"cancel recorded {result.schedule_id}")
-    # Nothing lists the schedules that exist, so the command cannot say more than this.
-    click.echo(
-        "a message of each id scheduled before now will not be delivered, if one is pending; "
-        "an id nothing is pending for is not an error",
-        err=True,
-    )
+    results, journal = _run(go())
+    hold_us = settings.ladder.hold_window_ms * 1000
+    for result in results:
+        info = (
+            None
+            if isinstance(journal, str)
+            else journal.info(result.schedule_id, now_us(), hold_us)
+        )
+        if isinstance(journal, str):
+            click.echo(f"cancel recorded {result.schedule_id}")
+        elif info is None:
+            click.echo(f"cancel recorded {result.schedule_id}: the journal knows no such schedule")
+        elif info.state == CANCELLED:
+            click.echo(f"cancelled {result.schedule_id} (was due {info.due.isoformat()})")
+        else:
+            click.echo(
+                f"cancel recorded {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
+            )
+    if isinstance(journal, str):
+        click.echo(
+            f"the journal could not be read ({journal}): a message of each id "
+            "scheduled before now will not be delivered, if one is pending",
+            err=True,
+        )
 
 
 @main.command()

@@ -336,9 +336,9 @@ def assess(
             pending.append(name)
             protected = False
             continue
-        if view.policy not in protect:
-            protected = False
         role = _role(topology, name)
+        if view.policy not in protect and role[0] != "journal":  # lookups only: unprotected
+            protected = False
         effective = _effective(view, four)
         if isinstance(effective.get("expires"), int) and view.type != "stream":
             expires[name] = effective["expires"]
