@@ -29,6 +29,8 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
+from hopsched.journal import CANCELLED, HELD, PENDING, JournalFold, ScheduleInfo
+from hopsched.journal_io import read_journal
 from hopsched.logs import LogFormat, configure_logging
 from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowledged
 from hopsched.parked import ParkedListing, list_parked, replay_parked
@@ -40,7 +42,7 @@ from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
 from hopsched.topology import ROLES, QueueDepth, Role, Teardown, Topology
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_NOT_REPLAYED", "EXIT_NO_PREFIX", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_NOT_REPLAYED", "EXIT_NO_PREFIX", "EXIT_UNKNOWN", "main"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,6 +50,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_BAD_INPUT = 2
 #: ``parked replay``: some messages asked for were not replayed (not parked, or left parked).
 EXIT_NOT_REPLAYED = 3
+#: ``get``, ``reschedule``: the journal knows no (pending) schedule of that id.
+EXIT_UNKNOWN = 3
 #: Nothing of the prefix exists where the command needs it (a mistyped --prefix?):
 #: nothing was done (scheduled, cancelled, upgraded, removed).
 EXIT_NO_PREFIX = 4
@@ -69,6 +73,10 @@ class _BadInput(_Failure):
 
 class _NoPrefix(_Failure):
     exit_code = EXIT_NO_PREFIX
+
+
+class _Unknown(_Failure):
+    exit_code = EXIT_UNKNOWN
 
 
 class _JsonFailure(click.ClickException):
@@ -297,6 +305,12 @@ def relay(
     help="Your id for it, to cancel or reschedule by, e.g. order-42-timeout (default random).",
 )
 @click.option(
+    "--replace",
+    is_flag=True,
+    help="Replace every message of --schedule-id scheduled before (a retry after a "
+    "timeout: one is delivered, not two).",
+)
+@click.option(
     "--check-target",
     is_flag=True,
     help="First check, publishing nothing, that the target exchange exists and routes the "
@@ -324,6 +338,7 @@ def schedule(
     priority: int | None,
     persistent: bool,
     schedule_id: str | None,
+    replace: bool,
     check_target: bool,
     management_url: str | None,
 ) -> None:
@@ -332,6 +347,8 @@ def schedule(
     An --at more than a minute past is delivered at once, with a warning."""
     if (at is None) == (delay is None):
         raise click.UsageError("give exactly one of --at and --in")
+    if replace and schedule_id is None:
+        raise click.UsageError("--replace needs the --schedule-id of what it replaces")
     if body is not None and body_file is not None:
         raise click.UsageError("give at most one of --body and --body-file")
     if expiration is not None and expiration < timedelta(0):
@@ -406,8 +423,10 @@ def schedule(
                 routing_key=routing_key,
                 schedule_id=schedule_id,
                 check_target=check_target,
+                replace=replace,
             )
-        click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}")
+        done = "scheduled (replacing any before)" if replace else "scheduled"
+        click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}")
 
     _run(go())
 
@@ -419,22 +438,43 @@ def cancel(
     url: str | None, prefix: str | None, queue_type: str | None, schedule_ids: tuple[str, ...]
 ) -> None:
     """Cancel schedules by id: their messages scheduled before now are not delivered (a
-    cancel confirmed 50 ms or more before the due time, never). An id nothing is
-    scheduled for, or already delivered, is not an error."""
+    cancel confirmed 50 ms or more before the due time, never). Then says, from the
+    journal, which ids had something pending. An id nothing is scheduled for, or already
+    delivered, is not an error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
-    async def go() -> list[Cancelled]:
+    async def go() -> tuple[list[Cancelled], JournalFold | str]:
         async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
-            return await scheduler.cancel_many(schedule_ids)
+            results = await scheduler.cancel_many(schedule_ids)
+        try:
+            return results, await read_journal(settings, copies=False)
+        except HopschedError as error:
+            return results, str(error)
 
-    for result in _run(go()):
-        click.echo(f"cancel recorded {result.schedule_id}")
-    # Nothing lists the schedules that exist, so the command cannot say more than this.
-    click.echo(
-        "a message of each id scheduled before now will not be delivered, if one is pending; "
-        "an id nothing is pending for is not an error",
-        err=True,
-    )
+    results, journal = _run(go())
+    hold_us = settings.ladder.hold_window_ms * 1000
+    for result in results:
+        info = (
+            None
+            if isinstance(journal, str)
+            else journal.info(result.schedule_id, now_us(), hold_us)
+        )
+        if isinstance(journal, str):
+            click.echo(f"cancel recorded {result.schedule_id}")
+        elif info is None:
+            click.echo(f"cancel recorded {result.schedule_id}: the journal knows no such schedule")
+        elif info.state == CANCELLED:
+            click.echo(f"cancelled {result.schedule_id} (was due {info.due.isoformat()})")
+        else:
+            click.echo(
+                f"cancel recorded {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
+            )
+    if isinstance(journal, str):
+        click.echo(
+            f"the journal could not be read ({journal}): a message of each id "
+            "scheduled before now will not be delivered, if one is pending",
+            err=True,
+        )
 
 
 @main.command()
@@ -452,25 +492,120 @@ def reschedule(
     at: datetime | None,
     delay: Any,
 ) -> None:
-    """Move a schedule to a new due time (an earlier one takes effect at the message's
-    next visit to a relay); prints the new due time (UTC)."""
+    """Move a pending schedule to a new due time, earlier or later: a new message from the
+    journal's copy, then a cancel of the old one; prints the new due time (UTC). Exit 3
+    if the journal knows no pending schedule of that id (nothing was changed)."""
     if (at is None) == (delay is None):
         raise click.UsageError("give exactly one of --at and --in")
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
 
-    async def go() -> Scheduled:
+    async def go() -> tuple[Scheduled | None, ScheduleInfo | None]:
         async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
-            return await scheduler.reschedule(schedule_id, at=at, delay=delay)
+            result = await scheduler.reschedule(schedule_id, at=at, delay=delay)
+            return result, None if result is not None else await scheduler.get(schedule_id)
 
-    result = _run(go())
-    click.echo(f"reschedule recorded {result.schedule_id} due {result.due.isoformat()}")
-    click.echo(
-        "a later due time holds; an earlier one holds only if the message comes back to a "
-        "relay by then (each hop waits on the largest step that fits its remaining delay): "
-        "otherwise it is delivered when it comes back, never early. `hopsched status` shows "
-        "the steps in use",
-        err=True,
-    )
+    result, info = _run(go())
+    if result is None:
+        raise _Unknown(f"nothing rescheduled: {_not_pending(schedule_id, info)}")
+    click.echo(f"rescheduled {result.schedule_id} due {result.due.isoformat()}")
+
+
+def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
+    """Why the journal has nothing pending for ``schedule_id``."""
+    if info is None:
+        return (
+            f"the journal knows no schedule {schedule_id!r} (never scheduled on this prefix, "
+            "or its last record is older than the journal keeps)"
+        )
+    when = info.delivered_us or info.parked_us or info.cancelled_us
+    at = f" at {us_to_datetime(when).isoformat()}" if when is not None else ""
+    return f"schedule {schedule_id!r} is {info.state}{at}, no longer pending"
+
+
+def _info_lines(info: ScheduleInfo) -> list[str]:
+    lines = [
+        f"{info.schedule_id}: {info.state}",
+        f"  due      {info.due.isoformat()}",
+        f"  target   exchange {info.exchange!r} routing key {info.routing_key!r}",
+    ]
+    if info.size is not None:
+        lines.append(f"  size     {info.size} bytes")
+    if info.origin is not None:
+        lines.append(f"  by       {info.origin}() at {us_to_datetime(info.created_us).isoformat()}")
+    for label, when in (
+        ("delivered", info.delivered_us),
+        ("parked", info.parked_us),
+        ("cancelled", info.cancelled_us),
+    ):
+        if when is not None:
+            lines.append(f"  {label:<8} {us_to_datetime(when).isoformat()}")
+    if info.parked_reason is not None:
+        lines.append(f"  reason   {info.parked_reason}")
+    return lines
+
+
+@main.command()
+@_connection_options
+@click.argument("schedule_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def get(
+    url: str | None, prefix: str | None, queue_type: str | None, schedule_id: str, as_json: bool
+) -> None:
+    """What the journal says of one schedule: state (pending, held, delivered, cancelled,
+    parked), due time, target, size, when it was delivered, cancelled or parked. Exit 3
+    if it knows no such schedule."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+
+    async def go() -> ScheduleInfo | None:
+        async with Scheduler(settings) as scheduler:
+            return await scheduler.get(schedule_id)
+
+    info = _run(go())
+    if info is None:
+        if as_json:
+            click.echo(json.dumps({"schedule_id": schedule_id, "state": None}))
+        raise _Unknown(_not_pending(schedule_id, None))
+    if as_json:
+        click.echo(json.dumps(info.to_json()))
+    else:
+        click.echo("\n".join(_info_lines(info)))
+
+
+@main.command()
+@_connection_options
+@click.option("--due-before", "due_before", callback=_parse_at, help="ISO 8601 with offset.")
+@click.option("--routing-key", "routing_key", help="Only those with this routing key.")
+@click.option("--limit", type=click.IntRange(0), help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def pending(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    due_before: datetime | None,
+    routing_key: str | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """The pending schedules, in due order: one line each (due time, id, target)."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+
+    async def go() -> int:
+        count = 0
+        async with Scheduler(settings) as scheduler:
+            async for info in scheduler.pending(due_before, routing_key, limit):
+                count += 1
+                if as_json:
+                    click.echo(json.dumps(info.to_json()))
+                else:
+                    click.echo(
+                        f"{info.due.isoformat()}  {info.schedule_id}  {info.state}  "
+                        f"{info.exchange!r}/{info.routing_key!r}"
+                    )
+        return count
+
+    count = _run(go())
+    if not as_json:
+        click.echo(f"{count} pending", err=True)
 
 
 @main.command()
@@ -526,15 +661,19 @@ def status(
     """Depth of every step queue, the relay and parked queues; relay consumers, and with
     several URLs (or --nodes) which node each relay is on; the cancel stream's records by
     signature (checked with HOPSCHED_SIGNING_KEYS) and the messages relays parked for
-    their signature or target. Declares nothing (it writes one marker record to read the
-    stream to its end, as a relay does); a queue of another type (--queue-type) is an
-    error."""
+    their signature or target; the schedules pending and the next due time, from the
+    journal. Declares nothing (it writes one marker record to each stream to read it to
+    its end, as a relay does); a queue of another type (--queue-type) is an error."""
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
     per_node = per_node or len(settings.urls) > 1 or management_url is not None
 
     async def go() -> tuple[
-        dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str
+        dict[str, QueueDepth | None],
+        RelayNodes | None,
+        str | None,
+        RecordTally | str,
+        tuple[int, int | None] | str,
     ]:
         connection = await connect(settings)
         async with connection:
@@ -546,18 +685,25 @@ def status(
             else:
                 mismatch = None
         records = await _records(settings, depths.get(topology.cancel_stream) is not None)
+        journal = await _journal(settings, depths.get(topology.journal_stream) is not None)
         if not per_node:
-            return depths, None, mismatch, records
+            return depths, None, mismatch, records, journal
         urls = management_urls(settings, management_url)
         nodes = await relay_nodes(settings, topology.relay_queue, urls)
-        return depths, nodes, mismatch, records
+        return depths, nodes, mismatch, records, journal
 
-    depths, nodes, mismatch, records = cast(
-        tuple[dict[str, QueueDepth | None], RelayNodes | None, str | None, RecordTally | str],
+    depths, nodes, mismatch, records, journal = cast(
+        tuple[
+            dict[str, QueueDepth | None],
+            RelayNodes | None,
+            str | None,
+            RecordTally | str,
+            tuple[int, int | None] | str,
+        ],
         _run(go()),
     )
     checked = _check_policies(settings, management_url)
-    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json())
+    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json(), journal)
     if not as_json:
         _echo_policies(checked)
     if all(depth is None for depth in depths.values()):  # a mistyped --prefix, say
@@ -619,6 +765,29 @@ async def _records(settings: Settings, declared: bool) -> RecordTally | str:
         return f"not read: {error}"
 
 
+async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None] | str:
+    """(schedules pending, the next due time in µs or None) from the journal, or why it
+    could not be read."""
+    if not declared:
+        return "the journal is not declared yet (a relay of this version declares it)"
+    try:
+        fold = await read_journal(settings, copies=False)
+    except HopschedError as error:
+        return f"not read: {error}"
+    hold_us = settings.ladder.hold_window_ms * 1000
+    due = [info.due_us for info in fold.infos(now_us(), hold_us) if info.state in (PENDING, HELD)]
+    return len(due), min(due, default=None)
+
+
+def _journal_line(journal: tuple[int, int | None] | str) -> str:
+    if isinstance(journal, str):
+        return f"pending: {journal}"
+    count, next_due = journal
+    if next_due is None:
+        return f"pending: {count} (journal)"
+    return f"pending: {count} (journal), next due {us_to_datetime(next_due).isoformat()}"
+
+
 def _records_lines(tally: RecordTally | str) -> list[str]:
     if isinstance(tally, str):
         return [f"records: {tally}"]
@@ -643,6 +812,7 @@ def _show_status(
     as_json: bool,
     records: RecordTally | str,
     policies: dict[str, Any],
+    journal: tuple[int, int | None] | str,
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
@@ -656,6 +826,12 @@ def _show_status(
             },
             "relay_consumers": relay_consumers,
             "records": records if isinstance(records, str) else dataclasses.asdict(records),
+            "pending": journal
+            if isinstance(journal, str)
+            else {
+                "count": journal[0],
+                "next_due": None if journal[1] is None else us_to_datetime(journal[1]).isoformat(),
+            },
         }
         if nodes is not None:
             shown["nodes"] = {name: dataclasses.asdict(view) for name, view in nodes.nodes.items()}
@@ -668,10 +844,13 @@ def _show_status(
         text = "missing" if depth is None else f"{depth.messages:>9} messages"
         if depth is None and name == topology.cancel_stream:
             text = "not declared yet (the first cancel declares it)"
+        elif depth is None and name == topology.journal_stream:
+            text = "not declared yet (a relay or the first schedule declares it)"
         elif name in topology.holding_queues:
             text += " (an interrupted upgrade: run `hopsched upgrade` again)"
         click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
+    click.echo(_journal_line(journal))
     for line in _records_lines(records):
         click.echo(line)
     if nodes is None:
@@ -827,9 +1006,10 @@ def permissions(
 
 
 _ROLE_DOES: dict[Role, str] = {
-    "producer": "schedule, cancel, reschedule (declares nothing)",
+    "producer": "schedule, cancel (declares nothing; reads nothing, not the journal)",
     "relay": "hopsched relay",
-    "operator": "declare, status, teardown, upgrade, parked list/replay, cancel, reschedule",
+    "operator": "declare, status, teardown, upgrade, parked list/replay, cancel, reschedule, "
+    "get, pending",
 }
 
 

@@ -18,13 +18,26 @@ from typing import TYPE_CHECKING, Any
 
 from hopsched import amqp
 from hopsched.decide import NOTICED, Park, ParkKind, Wait
-from hopsched.envelope import HEADER_EXCHANGE, HEADER_ID, HEADER_ROUTING_KEY, parked_properties
-from hopsched.errors import AccessRefusedError, BrokerConnectionLost, ChannelClosedError
+from hopsched.envelope import (
+    HEADER_EXCHANGE,
+    HEADER_ID,
+    HEADER_ROUTING_KEY,
+    Envelope,
+    parked_properties,
+)
+from hopsched.errors import (
+    AccessRefusedError,
+    BrokerConnectionLost,
+    ChannelClosedError,
+    EnvelopeError,
+)
+from hopsched.journal import parked_record
 from hopsched.publisher import LADDER_LANE
 
 if TYPE_CHECKING:
     from hopsched.acks import Acker
     from hopsched.cancel_reader import CancelReader
+    from hopsched.journal_io import JournalWriter
     from hopsched.ladder import AvoidedSteps
     from hopsched.publisher import Publisher
     from hopsched.stats import RelayStats
@@ -58,6 +71,7 @@ class Detours:
         refused: set to the session's end on a 403 for the prefix's own objects.
         access_refused: builds that error from the refusal's text.
         avoided: steps whose queues nacked lately (routed around by the decision).
+        journal: where a parked message's record goes once the park is confirmed.
     """
 
     def __init__(
@@ -75,6 +89,7 @@ class Detours:
         refused: asyncio.Future[AccessRefusedError],
         access_refused: Callable[[str], AccessRefusedError],
         avoided: AvoidedSteps,
+        journal: JournalWriter,
     ) -> None:
         self.publisher = publisher
         self.acker = acker
@@ -88,6 +103,7 @@ class Detours:
         self.refused = refused
         self.access_refused = access_refused
         self.avoided = avoided
+        self.journal = journal
         self.waiting = 0  # deliveries that came back early, waiting to be routed anew
         self._redeclaring: dict[str, asyncio.Future[None]] = {}
 
@@ -142,6 +158,7 @@ class Detours:
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_parked(park.kind)
                 self.acker.done(delivery.delivery_tag)
+                self._journal_parked(delivery, park)
                 if park.kind in NOTICED:
                     self.cancel_reader.note_parked(self.publisher, schedule_id(delivery), park.kind)
                 if self.stats.first_problem(target, f"parked ({park.kind})"):
@@ -175,6 +192,15 @@ class Detours:
             pass  # unacked: the broker delivers it again after the reconnect
         except (ValueError, TypeError) as error:
             self.reject(delivery, f"{park.reason}; and parking it failed: {error}")
+
+    def _journal_parked(self, delivery: amqp.Delivery, park: Park) -> None:
+        """Journal a parked message (one without a readable envelope has no id to find)."""
+        headers = delivery.properties.headers if delivery.properties is not None else None
+        try:
+            envelope = Envelope.from_headers(headers)
+        except EnvelopeError:
+            return
+        self.journal.add(parked_record(envelope, len(delivery.body), self.clock(), park.reason))
 
     def not_published(
         self, delivery: amqp.Delivery, what: str, outcome: amqp.Outcome, detail: Any

@@ -69,6 +69,17 @@ _COUNTERS = (
         "Cancel and reschedule records read from the {prefix}.cancelled stream.",
     ),
     (
+        "hopsched_journal_records",
+        "journal_records",
+        "Records (delivered, parked, refreshed) the relay wrote to the {prefix}.journal stream.",
+    ),
+    (
+        "hopsched_journal_failures",
+        "journal_failures",
+        "Journal records the relay could not write; the messages were delivered or parked "
+        "all the same.",
+    ),
+    (
         "hopsched_unsigned_envelopes",
         "unsigned_envelopes",
         "Arrivals of unsigned envelopes relayed while signing keys are set and signatures "

@@ -282,7 +282,7 @@ def set_policy_command(policy: PolicyDefinition, vhost: str) -> str:
 
 
 def _own_names(topology: Topology) -> str:
-    return rf"{re.escape(topology.prefix)}\.(step\.[0-9]+|relay|parked|cancelled)$"
+    return rf"{re.escape(topology.prefix)}\.(step\.[0-9]+|relay|parked|cancelled|journal)$"
 
 
 def excluding(policy: PolicyDefinition, topology: Topology) -> PolicyDefinition:
@@ -336,9 +336,9 @@ def assess(
             pending.append(name)
             protected = False
             continue
-        if view.policy not in protect:
-            protected = False
         role = _role(topology, name)
+        if view.policy not in protect and role[0] != "journal":  # lookups only: unprotected
+            protected = False
         effective = _effective(view, four)
         if isinstance(effective.get("expires"), int) and view.type != "stream":
             expires[name] = effective["expires"]
@@ -384,7 +384,8 @@ def _version(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in parts) if parts else (0,)
 
 
-_Role = tuple[str, int]  # ("step", ttl ms) | ("relay", 0) | ("parked", 0) | ("stream", 0)
+# ("step", ttl ms) | ("relay", 0) | ("parked", 0) | ("stream", 0) | ("journal", 0)
+_Role = tuple[str, int]
 
 
 def _role(topology: Topology, name: str) -> _Role:
@@ -394,6 +395,8 @@ def _role(topology: Topology, name: str) -> _Role:
         return ("parked", 0)
     if name == topology.cancel_stream:
         return ("stream", 0)
+    if name == topology.journal_stream:
+        return ("journal", 0)
     return ("step", int(name.rsplit(".", 1)[1]))
 
 
@@ -462,6 +465,8 @@ def _effects(
     overflow = effective.get("overflow")
     if kind == "stream":
         return _stream_effects(effective)
+    if kind == "journal":  # lookups only: no policy on it can lose or stall a message
+        return effects
     if (expires := effective.get("expires")) is not None:
         who = "no relay has consumed it" if kind == "relay" else "nothing has used it"
         effects.append(

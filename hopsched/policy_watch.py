@@ -375,7 +375,7 @@ class PolicyWatch:
     async def _touch(self, name: str) -> None:
         try:
             channel = await self._open_channel()
-            if self.settings.queue_type == "classic" or name == self.topology.cancel_stream:
+            if self.settings.queue_type == "classic" or name in self.topology.streams:
                 await channel.declare_queue(name, passive=True)
             elif name == self.topology.parked_queue:
                 await _rotate_head(channel, name)

@@ -27,7 +27,7 @@ from hopsched import amqp
 from hopsched.amqp.wire import FRAME_OVERHEAD
 from hopsched.clock import MAX_DUE_US, datetime_to_us, timedelta_to_us
 from hopsched.envelope import PERSISTENT, Envelope, callers_headers, first_hop_properties
-from hopsched.errors import InvalidScheduleError
+from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
 from hopsched.targets import TargetPolicy
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology
@@ -42,8 +42,10 @@ __all__ = [
     "check_properties",
     "check_request",
     "check_schedule_id",
+    "copy_envelope",
     "due_time_us",
     "encode_properties",
+    "reissue",
     "reroute",
 ]
 
@@ -235,6 +237,58 @@ def check_request(
         expiration=check_expiration(callers.expiration),
         delivery_mode=None if callers.delivery_mode == PERSISTENT else callers.delivery_mode or 0,
     )
+    return Checked(body, callers, headers, envelope, *_first_publish(plan, now_us, topology))
+
+
+def copy_envelope(properties: bytes) -> Envelope:
+    """The envelope of a journal's copy of a message (its encoded properties).
+
+    Raises:
+        InvalidScheduleError: they do not decode, or hold no valid envelope.
+    """
+    try:
+        return Envelope.from_headers(amqp.Properties.decode(properties).headers)
+    except (EnvelopeError, ValueError, TypeError, IndexError, struct.error) as error:
+        raise InvalidScheduleError(f"the journal's copy cannot be issued again: {error}") from None
+
+
+def reissue(
+    properties: bytes,
+    body: bytes,
+    *,
+    due_us: int,
+    now_us: int,
+    created_us: int,
+    ladder: Ladder,
+    topology: Topology,
+    avoid: Collection[int] = (),
+) -> Checked:
+    """A new copy of a scheduled message, from the journal's copy of it (its first hop's
+    encoded ``properties`` and its ``body``): the same id, target, caller's properties
+    and headers, due at ``due_us``, created at ``created_us`` (µs since the epoch), its
+    first hop planned at ``now_us``. Unsigned: the caller signs it anew.
+
+    Raises:
+        InvalidScheduleError: the copy is not a hopsched message (its properties do not
+            decode, or its envelope is malformed).
+    """
+    try:
+        decoded = amqp.Properties.decode(properties)
+        old = Envelope.from_headers(decoded.headers)
+        headers = callers_headers(decoded.headers)
+    except (EnvelopeError, ValueError, TypeError, IndexError, struct.error) as error:
+        raise InvalidScheduleError(f"the journal's copy cannot be issued again: {error}") from None
+    plan = ladder.plan(now_us=now_us, due_us=due_us, avoid=avoid)
+    envelope = dataclasses.replace(
+        old,
+        due_us=due_us,
+        created_us=created_us,
+        hops=1 if isinstance(plan, Hop) else 0,
+        retries=0,
+        retry_since_us=None,
+        signature=None,
+    )
+    callers = decoded.replace(headers=None).to_pamqp()
     return Checked(body, callers, headers, envelope, *_first_publish(plan, now_us, topology))
 
 

@@ -44,6 +44,8 @@ from hopsched.errors import (
 )
 from hopsched.holds import Holds
 from hopsched.hop_timing import HopTiming
+from hopsched.journal import delivered_record, refresh_step_ms, refreshed_record
+from hopsched.journal_io import JournalWriter
 from hopsched.ladder import US_PER_MS, AvoidedSteps, Hop
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
@@ -346,6 +348,11 @@ class _Session:
         self.clock = relay.clock
         self.connection = connection
         self.publisher = Publisher(connection, lane_window=LANE_WINDOW)
+        #: delivered, parked and refreshed records, once confirmed (``hopsched.journal``)
+        self.journal = JournalWriter(
+            self.publisher, self.topology.journal_stream, self.stats.record_journal
+        )
+        self.refresh_ms = refresh_step_ms(relay.ladder.max_step_ms)
         self.holds = Holds(self.clock, self._release, wall_timer=self.clock is now_us)
         self.held_bytes = 0
         prefetch = self.settings.prefetch
@@ -443,6 +450,7 @@ class _Session:
             refused=self.refused,
             access_refused=self._access_refused,
             avoided=self.relay.avoided,
+            journal=self.journal,
         )
         return channel, lost_stream
 
@@ -717,6 +725,8 @@ class _Session:
         def hopped(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_hop(retry=retry)
+                if step_ms >= self.refresh_ms:  # keeps it younger than the journal's retention
+                    self.journal.add(refreshed_record(envelope, encoded, delivery.body, now))
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
                 # The step queue is gone (an operator, an expires policy): declare it again.
@@ -741,6 +751,7 @@ class _Session:
             now = self.clock()
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_delivery(now - envelope.due_us, arrived - envelope.due_us)
+                self.journal.add(delivered_record(envelope, len(delivery.body), now))
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"

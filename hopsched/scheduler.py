@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -35,7 +35,18 @@ from hopsched.errors import (
     TargetRefused,
     Unroutable,
 )
-from hopsched.ladder import AvoidedSteps
+from hopsched.journal import (
+    CANCELLED,
+    HELD,
+    PENDING,
+    SCHEDULED,
+    Copy,
+    JournalRecord,
+    ScheduleInfo,
+    encode_journal,
+)
+from hopsched.journal_io import RECORDS_PER_MESSAGE, read_journal
+from hopsched.ladder import US_PER_MS, AvoidedSteps
 from hopsched.policies import PolicyReport
 from hopsched.policy_watch import warn_on_risk
 from hopsched.prepare import (
@@ -43,13 +54,16 @@ from hopsched.prepare import (
     ScheduleRequest,
     check_request,
     check_schedule_id,
+    copy_envelope,
     due_time_us,
     encode_properties,
+    reissue,
     reroute,
 )
 from hopsched.publisher import LADDER_LANE, Publisher
 from hopsched.routes import check_route
 from hopsched.settings import Settings
+from hopsched.signing import Refusal
 from hopsched.topology import Topology, declare_topology
 from hopsched.validate import shorten
 
@@ -193,7 +207,10 @@ class Scheduler:
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
-        self._stream_declared = False
+        self._streams_declared: set[str] = set()
+        #: Journal writes (``{prefix}.journal``) that failed: the messages they told of
+        #: are scheduled all the same, but ``get()`` does not know them.
+        self.journal_failures = 0
         self._policy_check: asyncio.Task[None] | None = None
         #: What the policies in force do to the prefix's queues, as last read from the
         #: management API (every 5 min; None before, or without the API); a finding that
@@ -301,6 +318,7 @@ class Scheduler:
         schedule_id: str | None = None,
         declare: bool = False,
         check_target: bool = False,
+        replace: bool = False,
     ) -> Scheduled:
         """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after ``delay``.
 
@@ -323,10 +341,19 @@ class Scheduler:
                 a passive declare; for an exchange other than the default one, its
                 bindings from the management API). A target broken at due time is
                 parked; this finds it now. It checks the bindings of this instant.
+            replace: this message replaces every message of ``schedule_id`` scheduled
+                before it (by the producers' clocks): once this call returns, exactly one
+                is pending, this one. The new message is published first, then a cancel
+                record for the older ones (``{prefix}.cancelled``): a crash in between
+                leaves a duplicate, never nothing. An older copy due within
+                ``CANCEL_LEAD_S`` of the call may be delivered still.
 
         Returns:
             ``Scheduled`` with the schedule id and the due time, once the broker has
-            confirmed the message (it is then safe from a crash of this process).
+            confirmed the message (it is then safe from a crash of this process) and
+            its record in the journal ``{prefix}.journal`` was written (a journal write
+            that fails is logged and counted in ``journal_failures``, not raised: the
+            message is scheduled all the same).
 
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
@@ -349,9 +376,11 @@ class Scheduler:
 
         A call that raised ``PublishTimeoutError`` or ``BrokerConnectionLost``, or that
         was cancelled, may still be delivered: the broker may have taken the message.
-        Schedule it again with the same ``schedule_id`` and de-duplicate on
-        ``x-hopsched-id``.
+        Schedule it again with the same ``schedule_id`` and ``replace=True``: then one
+        is delivered, not two.
         """
+        if replace and schedule_id is None:
+            raise InvalidScheduleError("replace=True needs the schedule_id of what it replaces")
         checked = self._check(
             ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id)
         )
@@ -359,10 +388,92 @@ class Scheduler:
             await self._declare_topology(create=True)
         if check_target:
             await self._check_target(checked)
-        result = (await self._send([checked]))[0]
+        prepared = self._build(checked)
+        result = (await self._send([prepared]))[0]
         if isinstance(result, BaseException):
             raise result
+        await self._scheduled([(prepared, result)], "replace" if replace else "schedule", replace)
         return result
+
+    async def _scheduled(
+        self, done: Sequence[tuple[_Prepared, Scheduled]], origin: str, replace: bool
+    ) -> None:
+        """Journal what was scheduled (confirmed); with ``replace``, then cancel the
+        copies of each id created before its new one.
+
+        Raises:
+            As ``schedule()``, for the cancel record only.
+        """
+        now = self._clock()
+        records = []
+        for prepared, _ in done:
+            assert prepared.checked is not None
+            envelope = prepared.checked.envelope
+            records.append(
+                JournalRecord(
+                    SCHEDULED,
+                    envelope.schedule_id,
+                    now,
+                    envelope.created_us,
+                    envelope.due_us,
+                    envelope.exchange,
+                    envelope.routing_key,
+                    len(prepared.body),
+                    envelope.owner,
+                    origin=origin,
+                    copy=Copy(prepared.properties, prepared.body),
+                )
+            )
+        journaled = asyncio.ensure_future(self._write_journal(records))
+        try:
+            if replace:
+                older = [Record(CANCEL, r.schedule_id, r.created_us - 1) for r in records]
+                try:
+                    await self._write_records(older)
+                except HopschedError as error:
+                    error.add_note(
+                        "the new message is scheduled; the older ones of its id may still be "
+                        "delivered: cancel them with cancel(id) (it takes the new one too) or "
+                        "schedule again with replace=True"
+                    )
+                    raise
+        finally:
+            await journaled
+
+    async def _write_journal(self, records: list[JournalRecord]) -> None:
+        """Append records to ``{prefix}.journal``, confirmed, a thousand per stream
+        message; a failure is logged and counted (``journal_failures``), never raised."""
+        if not records:
+            return
+        stream = self.topology.journal_stream
+        try:
+            await self._stream_ready(stream)
+            properties = amqp.Properties(
+                content_type="application/x-hopsched-journal", delivery_mode=2
+            ).encode()
+            writes = [
+                _Prepared(
+                    encode_journal(records[start : start + RECORDS_PER_MESSAGE]),
+                    properties,
+                    "",
+                    stream,
+                    stream,
+                    Scheduled("", 0, stream),
+                )
+                for start in range(0, len(records), RECORDS_PER_MESSAGE)
+            ]
+            failures = [r for r in await self._send(writes) if isinstance(r, BaseException)]
+            if failures:
+                raise failures[0]
+        except HopschedError as error:
+            self.journal_failures += 1
+            log.warning(
+                "the journal %s did not take %d records (%s): those schedules are in the "
+                "ladder and are delivered, but get() and pending() do not know them",
+                stream,
+                len(records),
+                error,
+            )
 
     async def schedule_many(
         self,
@@ -408,7 +519,22 @@ class Scheduler:
             }
             for one in targets.values():
                 await self._check_target(one)
-        results = await self._send(checked)
+        prepared: list[Checked | _Prepared] = []
+        for one in checked:
+            try:
+                prepared.append(self._build(one))
+            except InvalidScheduleError:
+                prepared.append(one)  # _send gives its error in its place
+        results = await self._send(prepared)
+        await self._scheduled(
+            [
+                (item, result)
+                for item, result in zip(prepared, results, strict=True)
+                if isinstance(item, _Prepared) and isinstance(result, Scheduled)
+            ],
+            "schedule",
+            replace=False,
+        )
         if not return_exceptions:
             for result in results:
                 if isinstance(result, BaseException):
@@ -463,6 +589,9 @@ class Scheduler:
             records.append(Record(CANCEL, schedule_id, now, due_us))
         await self._write_records(records)
         confirmed = self._clock()
+        await self._write_journal(
+            [JournalRecord(CANCELLED, r.schedule_id, now, now) for r in records]
+        )
         for record in records:
             in_time = (
                 None
@@ -478,28 +607,134 @@ class Scheduler:
         *,
         at: datetime | None = None,
         delay: timedelta | float | None = None,
-    ) -> Scheduled:
-        """Move a schedule's messages (those scheduled before now) to a new due time,
-        without sending them again (signed as ``cancel()`` is, and reaching the same
-        messages).
+    ) -> Scheduled | None:
+        """Move a pending schedule to a new due time, earlier or later: it is delivered at
+        the new time (never early, as punctually as any message), whatever step its
+        message sits in, and the old message is not delivered.
 
-        A later time holds in every case. An earlier one takes effect at the message's
-        next visit to a relay: at once if a relay holds it (the last
-        ``Settings.hold_window_ms``), else when its current hop returns (a hop of step
-        *s* returns within *s*; the largest is about 49.7 days): it is delivered at the
-        new time or at that visit, whichever is later.
+        From the journal's copy of the message (``{prefix}.journal``, written by
+        ``schedule()``), it publishes a new message with the new due time, then a cancel
+        record for the messages of the id created before it (signed as ``cancel()`` is).
+        A crash between the two leaves both, never neither; an old copy due within
+        ``CANCEL_LEAD_S`` of the call may be delivered still (de-duplicate on
+        ``x-hopsched-id``). Reading the journal takes about as long as reading the whole
+        stream (``get()``).
 
         Returns:
-            ``Scheduled`` with the new due time, once the broker has confirmed it.
+            the new ``Scheduled`` (new due time, first queue), once the broker has
+            confirmed the new message and the cancel; None if the journal knows no
+            pending schedule of that id (never scheduled, or already delivered,
+            cancelled or parked: ``get()`` says which), and nothing was changed.
 
         Raises:
-            As ``schedule()``.
+            As ``schedule()``; and as ``get()`` for reading the journal.
         """
         now = self._clock()
         schedule_id, _ = self._identify(schedule, None)
         due_us = due_time_us(at, delay, now)
-        await self._write_records([Record(RESCHEDULE, schedule_id, now, due_us)])
-        return Scheduled(schedule_id, due_us, self.topology.cancel_stream)
+        info = await self._info(schedule_id, copies=True)
+        if info is None or info.state not in (PENDING, HELD):
+            return None
+        if info.copy is None:  # only a relay's record of it (a hopsched before the journal)
+            await self._write_records([Record(RESCHEDULE, schedule_id, now, due_us)])
+            return Scheduled(schedule_id, due_us, self.topology.cancel_stream)
+        if (refusal := self._not_ours(info.copy)) is not None:
+            log.warning("not rescheduling %s: %s", schedule_id, refusal)
+            return None
+        now = self._clock()
+        checked = reissue(
+            info.copy.properties,
+            info.copy.body,
+            due_us=due_us,
+            now_us=now,
+            created_us=max(now, info.created_us + 2),  # after the cancel's instant below
+            ladder=self._ladder,
+            topology=self.topology,
+            avoid=self._avoided.avoided(now),
+        )
+        checked.envelope = self._signatures.sign_envelope(checked.envelope, checked.body)
+        prepared = self._build(checked)
+        result = (await self._send([prepared]))[0]
+        if isinstance(result, BaseException):
+            raise result
+        await self._scheduled([(prepared, result)], "reschedule", replace=True)
+        return result
+
+    def _not_ours(self, copy: Copy) -> str | None:
+        """Why this Scheduler may not issue the journal's ``copy`` again, or None.
+
+        The journal's records are not signed: with signing keys, the copy's own
+        envelope signature must verify with one of them (a forged record gets nothing
+        re-signed), and an unsigned copy is not this Scheduler's (its signed cancel would
+        not reach the old message: a duplicate).
+        """
+        envelope = copy_envelope(copy.properties)
+        if not self._signatures.enabled:
+            return None
+        checked = self._signatures.check_envelope(envelope, copy.body)
+        if isinstance(checked, Refusal):
+            return f"the journal's copy does not verify ({checked.reason})"
+        if checked.owner is None:
+            return "the journal's copy is unsigned, and this Scheduler signs with its keys"
+        return None
+
+    async def get(self, schedule_id: str) -> ScheduleInfo | None:
+        """What the journal says of ``schedule_id``: its state (pending, held, delivered,
+        cancelled, parked), due time, target, size, and when it was delivered, cancelled
+        or parked (with the reason); None if no record of it is kept (never scheduled, or
+        its last record is older than the journal keeps, ``JOURNAL_RETENTION_US``).
+
+        It reads the journal from its start, from any process (a new connection): its
+        cost grows with the stream (docs/design.md, "The journal"). It writes one marker
+        record, to know where the stream ends.
+
+        Raises:
+            InvalidScheduleError: not a valid schedule id.
+            BrokerUnavailableError, AccessRefusedError (needs read on the journal and
+                write on amq.default: the operator's grant), ChannelClosedError (404: no
+                journal, a prefix no relay of this version served yet).
+        """
+        return await self._info(check_schedule_id(schedule_id), copies=False)
+
+    async def _info(self, schedule_id: str, *, copies: bool) -> ScheduleInfo | None:
+        fold = await read_journal(self.settings, only=schedule_id, copies=copies)
+        return fold.info(schedule_id, self._clock(), self._ladder.hold_window_ms * US_PER_MS)
+
+    async def pending(
+        self,
+        due_before: datetime | None = None,
+        target: str | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[ScheduleInfo]:
+        """The pending (and held) schedules, in due order (then by id).
+
+        Args:
+            due_before: only those due before this instant (an aware datetime).
+            target: only those with this routing key.
+            limit: at most this many.
+
+        It reads the whole journal first (as ``get()``), holding one small entry per
+        schedule id read, no message bodies.
+
+        Raises:
+            InvalidScheduleError: a naive ``due_before``, a negative ``limit``.
+            As ``get()``.
+        """
+        before = None if due_before is None else due_time_us(due_before, None, 0)
+        if limit is not None and limit < 0:
+            raise InvalidScheduleError(f"limit={limit}: give a count >= 0, or None for all")
+        fold = await read_journal(self.settings, copies=False)
+        now = self._clock()
+        found = [
+            info
+            for info in fold.infos(now, self._ladder.hold_window_ms * US_PER_MS)
+            if info.state in (PENDING, HELD)
+            and (before is None or info.due_us < before)
+            and (target is None or info.routing_key == target)
+        ]
+        found.sort(key=lambda info: (info.due_us, info.schedule_id))
+        for info in found[:limit]:
+            yield info
 
     def _identify(self, schedule: str | Scheduled, due: datetime | None) -> tuple[str, int | None]:
         if isinstance(schedule, Scheduled):
@@ -516,11 +751,7 @@ class Scheduler:
             As ``schedule()``.
         """
         stream = self.topology.cancel_stream
-        if not self._stream_declared:
-            publisher = await self._connected()  # first: a prefix that does not exist is refused
-            with contextlib.suppress(AccessRefusedError):  # a producer: the relays declared it
-                await self._declare_stream(publisher.connection)
-            self._stream_declared = True
+        await self._stream_ready(stream)
         properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)
         records = self._signatures.sign_records(records)
         writes = [
@@ -538,8 +769,17 @@ class Scheduler:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _declare_stream(self, connection: amqp.Connection) -> None:
-        """Declare ``{prefix}.cancelled`` on the scheduler's own connection: a new one
+    async def _stream_ready(self, stream: str) -> None:
+        """Declare ``stream`` before the first write to it."""
+        if stream not in self._streams_declared:
+            publisher = await self._connected()  # first: a prefix that does not exist is refused
+            with contextlib.suppress(AccessRefusedError):  # a producer: the relays declared it
+                await self._declare_stream(publisher.connection, stream)
+            self._streams_declared.add(stream)
+
+    async def _declare_stream(self, connection: amqp.Connection, stream: str) -> None:
+        """Declare a stream (``{prefix}.cancelled``, ``{prefix}.journal``) on the
+        scheduler's own connection: a new one
         costs a TCP and AMQP handshake (8-107 ms measured on RabbitMQ 4.0 with Khepri),
         which a cancel confirmed ``CANCEL_LEAD_S`` ahead cannot spare. A refusal other
         than 403 is declared again over a connection of its own, for its explanation.
@@ -548,7 +788,6 @@ class Scheduler:
             AccessRefusedError: the user may not declare it (a producer's grant).
             As ``declare_topology``.
         """
-        stream = self.topology.cancel_stream
         declare = commands.Queue.Declare(
             queue=stream, durable=True, arguments=self.topology.queues()[stream]
         )

@@ -162,6 +162,11 @@ class RelayStats:
             queue because not even parking worked (``basic.nack``, requeue=false).
         cancelled: messages dropped because their schedule was cancelled.
         records: cancel and reschedule records read from ``{prefix}.cancelled``.
+        journal_records: records this relay's journal writes carried to
+            ``{prefix}.journal`` (delivered, parked, refreshed), confirmed.
+        journal_failures: journal records not written (the stream refused them, or the
+            connection went): the messages they told of were delivered or parked all the
+            same; ``get()`` does not see that.
         record_tally: those records by signature, and the ones ignored for theirs.
         unsigned: envelopes that reached the relay unsigned and were relayed (it holds
             signing keys but does not require signatures); each hop counts.
@@ -193,6 +198,8 @@ class RelayStats:
     rejected: int = 0
     cancelled: int = 0
     records: int = 0
+    journal_records: int = 0
+    journal_failures: int = 0
     record_tally: RecordTally = field(default_factory=RecordTally)
     unsigned: int = 0
     reconnects: int = 0
@@ -243,6 +250,13 @@ class RelayStats:
         self.parked += 1
         self._interval.parked += 1
         self.parked_by_kind[kind] += 1
+
+    def record_journal(self, records: int, ok: bool) -> None:
+        """A journal write of ``records`` records was confirmed (``ok``) or failed."""
+        if ok:
+            self.journal_records += records
+        else:
+            self.journal_failures += records
 
     def record_returned_early(self) -> None:
         self.returned_early += 1
@@ -319,6 +333,8 @@ class RelayStats:
                 "cancelled": self.cancelled,
                 "rejected": self.rejected,
                 "cancel_records": self.records,
+                "journal_records": self.journal_records,
+                "journal_failures": self.journal_failures,
                 "unsigned_envelopes": self.unsigned,
                 "reconnects": self.reconnects,
                 "returned_early": self.returned_early,
@@ -341,6 +357,7 @@ class StatsSnapshot:
     Attributes:
         counters: name -> count since the relay started (``delivered``, ``overdue``,
             ``hops``, ``retries``, ``cancelled``, ``rejected``, ``cancel_records``,
+            ``journal_records``, ``journal_failures``,
             ``unsigned_envelopes``, ``reconnects``, ``returned_early``; see ``RelayStats``).
         parked_by_kind: messages parked per ``ParkKind``, every kind present.
         records_refused: records ignored per reason (``RecordTally.refused``).

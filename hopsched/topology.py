@@ -22,6 +22,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
+from hopsched.journal import retention_bound_us
 from hopsched.ladder import MAX_STEP_MS, Ladder
 from hopsched.settings import QueueType, Settings
 
@@ -29,6 +30,7 @@ __all__ = [
     "CANCEL_RETENTION_US",
     "DEAD_LETTER_ROUTING_KEY",
     "HOLDING_SUFFIX",
+    "JOURNAL_RETENTION_US",
     "LEADER_LOCATOR",
     "PARKED_DELIVERY_LIMIT",
     "RELAY_CONSUMER_ARGUMENTS",
@@ -76,6 +78,11 @@ PARKED_DELIVERY_LIMIT = 1_000_000
 #: How long the cancellation stream keeps a record, µs: the top step (every pending
 #: message comes by a relay at least that often) and a day (``hopsched.cancel``).
 CANCEL_RETENTION_US = MAX_STEP_MS * 1000 + 86_400_000_000
+#: How long the journal ``{prefix}.journal`` keeps a record, µs: the oldest the newest
+#: record of a pending message can be (``journal.retention_bound_us``: the top step and
+#: two refresh steps: about 51.3 days) and a day. RabbitMQ drops a stream's records a
+#: whole segment at a time, once all of the segment is older (at least this long).
+JOURNAL_RETENTION_US = retention_bound_us(MAX_STEP_MS) + 86_400_000_000
 #: Quorum step and relay queues are declared with ``x-queue-leader-locator=balanced``
 #: (RabbitMQ >= 3.10): each new queue's leader goes to the node with the fewest
 #: leaders, so a ladder's queues spread over a cluster instead of all leading on the
@@ -166,20 +173,20 @@ class Teardown:
 
 def teardown_refusal(
     depths: Mapping[str, QueueDepth | None],
-    records: str | None = None,
+    records: Iterable[str] = (),
     holding: Iterable[str] = (),
 ) -> str | None:
     """Why a prefix's queues must not be deleted without ``force``: the queues that hold
     messages or have consumers (a running relay would declare them again), or None.
-    ``records`` names the cancellation stream, whose records are no messages to lose;
-    ``holding`` the holding queues of an interrupted ``upgrade``."""
-    holding = set(holding)
+    ``records`` names the streams (cancellations, journal), whose records are no
+    messages to lose; ``holding`` the holding queues of an interrupted ``upgrade``."""
+    holding, records = set(holding), set(records)
     busy = [
         f"{name} ({depth.messages} message(s), {depth.consumers} consumer(s)"
         + ("; an interrupted upgrade: run `hopsched upgrade` again" if name in holding else "")
         + ")"
         for name, depth in depths.items()
-        if depth is not None and ((depth.messages and name != records) or depth.consumers)
+        if depth is not None and ((depth.messages and name not in records) or depth.consumers)
     ]
     if not busy:
         return None
@@ -231,6 +238,16 @@ class Topology:
     def cancel_stream(self) -> str:
         return f"{self.prefix}.cancelled"
 
+    @property
+    def journal_stream(self) -> str:
+        """``{prefix}.journal``: what happened to each schedule (``hopsched.journal``)."""
+        return f"{self.prefix}.journal"
+
+    @property
+    def streams(self) -> tuple[str, str]:
+        """The prefix's streams: records, no messages to deliver."""
+        return (self.cancel_stream, self.journal_stream)
+
     def step_queue(self, step_ms: int) -> str:
         return f"{self.prefix}.step.{step_ms}"
 
@@ -275,7 +292,7 @@ class Topology:
             ValueError: ``role`` is not one of ``ROLES``.
         """
         prefix = re.escape(self.prefix) + r"\."
-        own = r"step\.[0-9]+|expired|relay|parked|cancelled"
+        own = r"step\.[0-9]+|expired|relay|parked|cancelled|journal"
         holds = "|".join(
             re.escape(name.removeprefix(self.prefix + ".")) for name in self.holding_queues
         )
@@ -343,11 +360,16 @@ class Topology:
             "x-queue-type": "stream",
             "x-max-age": f"{CANCEL_RETENTION_US // 1_000_000}s",
         }
+        queues[self.journal_stream] = {
+            "x-queue-type": "stream",
+            "x-max-age": f"{JOURNAL_RETENTION_US // 1_000_000}s",
+        }
         return queues
 
     def queues_but_stream(self) -> list[str]:
-        """The queues a scheduler needs to schedule: all but the cancellation stream."""
-        return [name for name in self.queues() if name != self.cancel_stream]
+        """The queues a scheduler needs to schedule: all but the streams (it declares
+        each before its first write to it)."""
+        return [name for name in self.queues() if name not in self.streams]
 
     async def declare(
         self, connection: aio_pika.abc.AbstractConnection, names: Iterable[str] | None = None
@@ -601,7 +623,7 @@ class Topology:
             AccessRefusedError: the user may not delete them (AMQP 403).
         """
         depths = await self.inspect(connection, check_arguments=False)
-        refusal = teardown_refusal(depths, self.cancel_stream, self.holding_queues)
+        refusal = teardown_refusal(depths, self.streams, self.holding_queues)
         if refusal is not None and not force:
             raise HopschedError(refusal)
         exchange_exists = await self._exchange_exists(connection)

@@ -239,7 +239,7 @@ async def test_demo_runs_end_to_end_and_removes_the_ladder_it_declared(
         "0",
         "0",
     )
-    assert f"removed the demo's ladder {settings.prefix} (33 objects)" in err
+    assert f"removed the demo's ladder {settings.prefix} (34 objects)" in err
     with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
         await (await amqp.channel()).declare_queue(f"{settings.prefix}.relay", passive=True)
 

@@ -52,6 +52,8 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
         "cancelled": 1,
         "rejected": 0,
         "cancel_records": 5,
+        "journal_records": 0,
+        "journal_failures": 0,
         "unsigned_envelopes": 0,
         "reconnects": 0,
         "returned_early": 1,

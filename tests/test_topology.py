@@ -42,7 +42,8 @@ def test_the_relay_queue_dead_letters_into_the_parking_queue(queue_type: str) ->
 def test_the_least_grant_covers_every_object_of_the_prefix() -> None:
     """Every queue (the stream included) and the exchange match the operator's and the
     relay's configure patterns and the operator's read; another prefix's do not. The
-    relay may not read the parking queue; the producer configures and reads nothing."""
+    relay may not read the parking queue or the journal (copies of every message); the
+    producer configures and reads nothing."""
     topology = hopsched.Topology.from_settings(hopsched.Settings(prefix="app.x"))
     operator, relay = topology.permissions("operator"), topology.permissions("relay")
     producer = topology.permissions("producer", ["orders"])
@@ -51,7 +52,10 @@ def test_the_least_grant_covers_every_object_of_the_prefix() -> None:
         assert all(re.match(pattern, name) for name in names), (pattern, names)
         assert not re.match(pattern, "app.y.relay")
         assert not re.match(pattern, "app.xrelay")
-    assert [name for name in names if not re.match(relay.read, name)] == ["app.x.parked"]
+    assert [name for name in names if not re.match(relay.read, name)] == [
+        "app.x.parked",
+        "app.x.journal",
+    ]
     assert (producer.configure, producer.read) == ("^$", "^$")
     assert [name for name in ("amq.default", "app.x.expired", "orders", "app.x.relay")
             if re.match(producer.write, name)] == ["amq.default", "app.x.expired"]  # fmt: skip

@@ -1,0 +1,501 @@
+"""The journal: what happened to each schedule, as records in the prefix's stream
+``{prefix}.journal``, and the fold of those records into a ``ScheduleInfo`` per schedule
+id. Pure: no I/O; the clock comes in as arguments (``journal_io`` reads and writes).
+
+Who writes what (docs/design.md, "The journal"):
+
+* ``schedule()`` and ``schedule_many()``, once the ladder confirmed the message: a
+  ``scheduled`` record per message (``schedule_many``: the whole batch in one stream
+  message) with the due time, target, size, signer and a *copy* of the message (its
+  first hop's encoded properties and its body), from which ``reschedule()`` issues the
+  message anew;
+* ``reschedule()`` and ``schedule(replace=True)``: the new copy's ``scheduled`` record
+  (``origin`` says which), written after the new copy is confirmed and before the cancel
+  record that takes the older copies;
+* ``cancel()``: a ``cancelled`` record, after the cancel stream confirmed its record;
+* relays, after the broker confirmed a final delivery or a parked copy: ``delivered`` and
+  ``parked`` records, batched (one stream write per batch); and ``scheduled`` records
+  anew (``origin="refresh"``) for a message they hop on a step of ``refresh_step_ms`` or
+  more, so that a message due in years keeps a record younger than the stream's
+  retention (``retention_bound_us``).
+
+A copy of a schedule is identified by its id and its ``created_us`` (the instant the
+producer scheduled it, header ``x-hopsched-created``). The fold keeps, per id, the newest
+copy (the largest ``created_us``) and what happened to *that* copy; a cancel applies to
+the copies created at or before it (as in ``hopsched.cancel``). The result does not
+depend on the order the records are read in: every choice is a maximum over a total
+order (``tests/test_journal.py`` checks it with hypothesis).
+
+Body layout of one stream message (version 1): ``b"HJ1\\n"``, then per record a 4-byte
+big-endian length and that many bytes of UTF-8 JSON (the record's fields), and when
+the JSON says ``"copy": true`` two more length-prefixed parts: the encoded properties
+and the body. A reader skips records it cannot read (a newer hopsched's, noise).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from hopsched.clock import us_to_datetime
+from hopsched.envelope import Envelope
+
+__all__ = [
+    "CANCELLED",
+    "DELIVERED",
+    "HELD",
+    "MAGIC",
+    "MARKER",
+    "PARKED",
+    "PENDING",
+    "REFRESH_STEP_MS",
+    "SCHEDULED",
+    "STATES",
+    "Copy",
+    "JournalFold",
+    "JournalRecord",
+    "ScheduleInfo",
+    "decode_journal",
+    "delivered_record",
+    "encode_journal",
+    "parked_record",
+    "refresh_step_ms",
+    "refreshed_record",
+    "retention_bound_us",
+]
+
+SCHEDULED, DELIVERED, PARKED, CANCELLED = "scheduled", "delivered", "parked", "cancelled"
+#: A reader's own record, written and read back to know it has read every record before.
+MARKER = "marker"
+_OPS = frozenset({SCHEDULED, DELIVERED, PARKED, CANCELLED, MARKER})
+#: ``ScheduleInfo.state`` values. ``held``: pending, and due within the hold window (a
+#: relay holds it in-process, or will once its last hop returns).
+PENDING, HELD = "pending", "held"
+STATES = (PENDING, HELD, DELIVERED, CANCELLED, PARKED)
+MAGIC = b"HJ1\n"
+_LENGTH = struct.Struct(">I")
+#: A relay writes a message's ``scheduled`` record anew when it hops it on a step of this
+#: TTL or more (2^26 ms, about 18.6 h), or on the top step if that is smaller
+#: (``refresh_step_ms``): see ``retention_bound_us``.
+REFRESH_STEP_MS = 2**26
+
+
+def refresh_step_ms(top_step_ms: int) -> int:
+    """The smallest step (ms) a relay writes a ``scheduled`` record anew at, for a ladder
+    whose top step is ``top_step_ms``."""
+    return min(REFRESH_STEP_MS, top_step_ms)
+
+
+def retention_bound_us(top_step_ms: int) -> int:
+    """How old, at most, the newest ``scheduled`` record of a pending message is, µs.
+
+    After its last record (scheduled or refreshed at time *J*), a message takes at most
+    one hop of any step (≤ the top step) and then only hops of steps below
+    ``refresh_step_ms``: the ladder picks the largest step that fits, so once it picks
+    one below that, less than two such steps remain (``Ladder.plan``). The journal's
+    ``x-max-age`` must be at least this, so that every pending message can be found.
+    """
+    return (top_step_ms + 2 * refresh_step_ms(top_step_ms)) * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """What a ``scheduled`` record keeps of the message, to issue it again.
+
+    Attributes:
+        properties: the encoded basic properties of its first hop (or of the hop a relay
+            refreshed it at): the caller's properties and headers, and hopsched's.
+        body: the body bytes, as the caller gave them.
+    """
+
+    properties: bytes
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class JournalRecord:
+    """One record of the journal.
+
+    Attributes:
+        op: ``SCHEDULED``, ``DELIVERED``, ``PARKED``, ``CANCELLED`` or a reader's
+            ``MARKER``.
+        schedule_id: the schedule it is about.
+        at_us: when it was written, µs since the epoch (the writer's clock).
+        created_us: the copy it is about (its ``x-hopsched-created``); for a cancel, the
+            copies created at or before it are taken (its own instant).
+        due_us: the copy's due time, µs since the epoch; None for a cancel.
+        exchange, routing_key: the target; None for a cancel.
+        size: the body's length, bytes; None for a cancel.
+        owner: the signing key id of the copy's envelope (None: unsigned).
+        reason: a ``PARKED`` record's reason (the parked message's reason header).
+        origin: a ``SCHEDULED`` record's cause: ``"schedule"``, ``"replace"``,
+            ``"reschedule"`` or ``"refresh"`` (a relay wrote it anew, same copy).
+        copy: a ``SCHEDULED`` record's copy of the message; None otherwise.
+    """
+
+    op: str
+    schedule_id: str
+    at_us: int
+    created_us: int
+    due_us: int | None = None
+    exchange: str | None = None
+    routing_key: str | None = None
+    size: int | None = None
+    owner: str | None = None
+    reason: str | None = None
+    origin: str | None = None
+    copy: Copy | None = field(default=None, repr=False)
+
+
+def encode_journal(records: Iterable[JournalRecord]) -> bytes:
+    """Records as one stream message's body (the layout in the module's doc)."""
+    parts = [MAGIC]
+    for r in records:
+        fields: dict[str, Any] = {"op": r.op, "id": r.schedule_id, "at": r.at_us, "c": r.created_us}
+        for key, value in (
+            ("due", r.due_us),
+            ("ex", r.exchange),
+            ("rk", r.routing_key),
+            ("size", r.size),
+            ("kid", r.owner),
+            ("why", r.reason),
+            ("by", r.origin),
+        ):
+            if value is not None:
+                fields[key] = value
+        if r.copy is not None:
+            fields["copy"] = True
+        meta = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
+        parts += [_LENGTH.pack(len(meta)), meta]
+        if r.copy is not None:
+            parts += [_LENGTH.pack(len(r.copy.properties)), r.copy.properties]
+            parts += [_LENGTH.pack(len(r.copy.body)), r.copy.body]
+    return b"".join(parts)
+
+
+def decode_journal(
+    body: bytes, *, copies: bool = True, only: str | None = None
+) -> Iterator[JournalRecord]:
+    """The records of one stream message's body, in order.
+
+    Args:
+        body: the stream message's body.
+        copies: keep each record's copy of the message (False: drop it, for a listing
+            that holds many records at once).
+        only: yield only the records of this schedule id (the others are skipped
+            without decoding their copies).
+
+    A body without the magic yields nothing; a record that cannot be read ends the
+    message's reading (its length may be wrong too), what came before it is kept;
+    a record whose fields are not as this version writes them is skipped.
+    """
+    if not body.startswith(MAGIC):
+        return
+    view = memoryview(body)
+    offset, end = len(MAGIC), len(body)
+    while offset < end:
+        try:
+            meta, offset = _part(view, offset, end)
+            fields = json.loads(bytes(meta))
+            copy = None
+            if type(fields) is dict and fields.get("copy") is True:
+                properties, offset = _part(view, offset, end)
+                content, offset = _part(view, offset, end)
+                if copies and (only is None or fields.get("id") == only):
+                    copy = Copy(bytes(properties), bytes(content))
+        except (ValueError, struct.error):
+            return
+        if type(fields) is not dict or (only is not None and fields.get("id") != only):
+            continue
+        record = _record(fields, copy)
+        if record is not None:
+            yield record
+
+
+def _part(view: memoryview, offset: int, end: int) -> tuple[memoryview, int]:
+    (length,) = _LENGTH.unpack_from(view, offset)
+    start = offset + _LENGTH.size
+    if start + length > end:
+        raise ValueError("a part runs past the end of the message")
+    return view[start : start + length], start + length
+
+
+def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
+    op, schedule_id, at_us, created_us = (fields.get(k) for k in ("op", "id", "at", "c"))
+    if (
+        op not in _OPS
+        or type(schedule_id) is not str
+        or type(at_us) is not int
+        or type(created_us) is not int
+    ):
+        return None
+    ints = {k: fields.get(k) for k in ("due", "size")}
+    texts = {k: fields.get(k) for k in ("ex", "rk", "kid", "why", "by")}
+    if any(v is not None and type(v) is not int for v in ints.values()) or any(
+        v is not None and type(v) is not str for v in texts.values()
+    ):
+        return None
+    if op in (SCHEDULED, DELIVERED, PARKED) and (
+        ints["due"] is None or texts["ex"] is None or texts["rk"] is None
+    ):
+        return None
+    return JournalRecord(
+        op,
+        schedule_id,
+        at_us,
+        created_us,
+        ints["due"],
+        texts["ex"],
+        texts["rk"],
+        ints["size"],
+        texts["kid"],
+        texts["why"],
+        texts["by"],
+        copy,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleInfo:
+    """What the journal says of one schedule id (``Scheduler.get``).
+
+    Attributes:
+        schedule_id: the id.
+        state: one of ``STATES``: ``pending`` (on the ladder), ``held`` (pending and due
+            within the hold window: a relay holds it, or will once its last hop is
+            back), ``delivered``, ``cancelled``, ``parked``.
+        due_us: the due time of the newest copy, µs since the epoch (``due``: aware UTC).
+        created_us: when that copy was scheduled, µs since the epoch (producer's clock).
+        exchange, routing_key: its target.
+        size: its body's length, bytes (None if no record said).
+        owner: the signing key id of its envelope (None: unsigned).
+        origin: how that copy came: ``"schedule"``, ``"replace"``, ``"reschedule"``
+            (None: only a relay's record of it was read).
+        delivered_us, parked_us, cancelled_us: when it was delivered (the broker
+            confirmed the final publish, relay's clock), parked, or cancelled (the
+            cancel's instant); None if not.
+        parked_reason: why it was parked.
+        copy: the message, from which ``reschedule()`` issues it again; None if the
+            journal holds no copy (only a relay's record was read, or it was read
+            without copies).
+    """
+
+    schedule_id: str
+    state: str
+    due_us: int
+    created_us: int
+    exchange: str
+    routing_key: str
+    size: int | None = None
+    owner: str | None = None
+    origin: str | None = None
+    delivered_us: int | None = None
+    parked_us: int | None = None
+    cancelled_us: int | None = None
+    parked_reason: str | None = None
+    copy: Copy | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def due(self) -> datetime:
+        """The due time, an aware UTC datetime."""
+        return us_to_datetime(self.due_us)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (instants as ISO 8601 UTC strings and µs; no copy)."""
+
+        def when(us: int | None) -> str | None:
+            return None if us is None else us_to_datetime(us).isoformat()
+
+        return {
+            "schedule_id": self.schedule_id,
+            "state": self.state,
+            "due": when(self.due_us),
+            "due_us": self.due_us,
+            "created": when(self.created_us),
+            "exchange": self.exchange,
+            "routing_key": self.routing_key,
+            "size": self.size,
+            "owner": self.owner,
+            "origin": self.origin,
+            "delivered": when(self.delivered_us),
+            "parked": when(self.parked_us),
+            "parked_reason": self.parked_reason,
+            "cancelled": when(self.cancelled_us),
+        }
+
+
+class _Entry:
+    """One id's fold so far: its newest copy's record, that copy's latest outcome, and
+    the latest cancel."""
+
+    __slots__ = ("cancelled_us", "copy", "outcome")
+
+    def __init__(self) -> None:
+        self.copy: JournalRecord | None = None
+        self.outcome: JournalRecord | None = None
+        self.cancelled_us: int | None = None
+
+
+_OUTCOME_RANK = {PARKED: 0, DELIVERED: 1}
+
+
+def _outcome_rank(record: JournalRecord) -> tuple[int, int, str]:
+    """The latest outcome; at one instant a delivery over a park."""
+    return (record.at_us, _OUTCOME_RANK[record.op], record.reason or "")
+
+
+def _copy_rank(record: JournalRecord) -> tuple[int, bool, bool, int, int, str]:
+    """The newest copy first; of one copy's records, one with the message's copy, then
+    a producer's (it has the origin), then the latest (then any order, but always the
+    same: the fold must not depend on the order it reads in)."""
+    return (
+        record.created_us,
+        record.copy is not None,
+        record.origin is not None and record.origin != "refresh",
+        record.at_us,
+        record.due_us or 0,
+        record.op,
+    )
+
+
+class JournalFold:
+    """The journal's records folded by schedule id, in any order.
+
+    Args:
+        only: fold only this id's records (the others are ignored).
+
+    Memory: one small entry per id read (three references) and the newest record of
+    each; records read without copies hold no message bytes.
+    """
+
+    def __init__(self, only: str | None = None) -> None:
+        self.only = only
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def apply(self, record: JournalRecord) -> None:
+        """Fold one record in (a marker is ignored)."""
+        if record.op == MARKER or (self.only is not None and record.schedule_id != self.only):
+            return
+        entry = self._entries.get(record.schedule_id)
+        if entry is None:
+            entry = self._entries[record.schedule_id] = _Entry()
+        if record.op == CANCELLED:
+            if entry.cancelled_us is None or record.at_us > entry.cancelled_us:
+                entry.cancelled_us = record.at_us
+            return
+        copy = entry.copy
+        if copy is None or record.created_us > copy.created_us:
+            entry.copy = record
+            if entry.outcome is not None and entry.outcome.created_us < record.created_us:
+                entry.outcome = None  # an older copy's outcome
+        elif record.created_us == copy.created_us and _copy_rank(record) > _copy_rank(copy):
+            entry.copy = record
+        current = record.created_us if copy is None else max(copy.created_us, record.created_us)
+        if record.op == SCHEDULED or record.created_us != current:
+            return
+        outcome = entry.outcome
+        if outcome is None or _outcome_rank(record) > _outcome_rank(outcome):
+            entry.outcome = record
+
+    def info(self, schedule_id: str, now_us: int, hold_window_us: int) -> ScheduleInfo | None:
+        """What is known of ``schedule_id`` at ``now_us`` (µs since the epoch), None if no
+        record of a copy of it was read (a cancel alone does not make an id known)."""
+        entry = self._entries.get(schedule_id)
+        if entry is None or entry.copy is None:
+            return None
+        return _info(schedule_id, entry, now_us, hold_window_us)
+
+    def infos(self, now_us: int, hold_window_us: int) -> Iterator[ScheduleInfo]:
+        """Every known id's ``ScheduleInfo``, in no particular order."""
+        for schedule_id, entry in self._entries.items():
+            if entry.copy is not None:
+                yield _info(schedule_id, entry, now_us, hold_window_us)
+
+
+def _info(schedule_id: str, entry: _Entry, now_us: int, hold_window_us: int) -> ScheduleInfo:
+    copy, outcome, cancelled = entry.copy, entry.outcome, entry.cancelled_us
+    assert copy is not None
+    assert copy.due_us is not None
+    assert copy.exchange is not None
+    assert copy.routing_key is not None
+    delivered = parked = reason = None
+    if outcome is not None and outcome.op == DELIVERED:
+        state, delivered = DELIVERED, outcome.at_us
+    elif outcome is not None:
+        state, parked, reason = PARKED, outcome.at_us, outcome.reason
+    elif cancelled is not None and cancelled >= copy.created_us:
+        state = CANCELLED
+    elif copy.due_us - now_us <= hold_window_us:
+        state = HELD
+    else:
+        state = PENDING
+    return ScheduleInfo(
+        schedule_id,
+        state,
+        copy.due_us,
+        copy.created_us,
+        copy.exchange,
+        copy.routing_key,
+        copy.size if copy.size is not None else (outcome.size if outcome else None),
+        copy.owner,
+        copy.origin if copy.origin != "refresh" else None,
+        delivered,
+        parked,
+        cancelled if state == CANCELLED else None,
+        reason,
+        copy.copy,
+    )
+
+
+def delivered_record(envelope: Envelope, size: int, at_us: int) -> JournalRecord:
+    """A relay's record that the broker confirmed ``envelope``'s final publish at
+    ``at_us`` (µs since the epoch, relay's clock); ``size``: the body's bytes."""
+    return _relay_record(DELIVERED, envelope, size, at_us)
+
+
+def parked_record(envelope: Envelope, size: int, at_us: int, reason: str) -> JournalRecord:
+    """A relay's record that it parked ``envelope``'s message, confirmed at ``at_us``."""
+    return _relay_record(PARKED, envelope, size, at_us, reason=reason)
+
+
+def refreshed_record(
+    envelope: Envelope, properties: bytes, body: bytes, at_us: int
+) -> JournalRecord:
+    """A relay's ``scheduled`` record anew for a message it hopped on a long step
+    (``REFRESH_STEP_MS``), with the hop's encoded ``properties`` as its copy."""
+    return _relay_record(
+        SCHEDULED, envelope, len(body), at_us, origin="refresh", copy=Copy(properties, body)
+    )
+
+
+def _relay_record(
+    op: str,
+    envelope: Envelope,
+    size: int,
+    at_us: int,
+    *,
+    reason: str | None = None,
+    origin: str | None = None,
+    copy: Copy | None = None,
+) -> JournalRecord:
+    return JournalRecord(
+        op,
+        envelope.schedule_id,
+        at_us,
+        envelope.created_us,
+        envelope.due_us,
+        envelope.exchange,
+        envelope.routing_key,
+        size,
+        envelope.owner,
+        reason,
+        origin,
+        copy,
+    )

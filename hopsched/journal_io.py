@@ -1,0 +1,225 @@
+"""The I/O around ``hopsched.journal``: a relay's batched writes to ``{prefix}.journal``,
+and the reading of the whole stream into a ``JournalFold`` (``get``, ``pending``,
+``reschedule``, ``hopsched status``).
+
+A relay's journal records are never in a message's way: they are added once the
+broker confirmed the publish they tell of (the delivery's ack does not wait for them),
+gathered for the rest of the event loop's turn, and published as one stream message on
+a lane of their own (a refused stream publish closes only that channel), unconfirmed
+by anyone: a write that fails is logged and counted (``RelayStats.journal_failures``),
+and the message it told of is delivered or parked all the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from hopsched import amqp
+from hopsched.acks import Acker
+from hopsched.connect import Connector
+from hopsched.errors import (
+    AccessRefusedError,
+    BrokerConnectionLost,
+    BrokerUnavailableError,
+    ChannelClosedError,
+)
+from hopsched.journal import MARKER, JournalFold, JournalRecord, decode_journal, encode_journal
+from hopsched.publisher import Publisher
+from hopsched.settings import Settings
+from hopsched.topology import Topology
+
+__all__ = ["JOURNAL_LANE", "READ_TIMEOUT_S", "JournalWriter", "read_journal"]
+
+log = logging.getLogger("hopsched.journal")
+
+#: The publisher lane journal records go on (not the ladder's: a refused stream publish
+#: closes its channel, and every publish in flight on it would be tried again).
+JOURNAL_LANE = "journal"
+#: Records per stream message at most (a relay's batch, ``schedule_many``'s).
+RECORDS_PER_MESSAGE = 1000
+#: How long reading the journal may go without a message before it is given up, s.
+READ_TIMEOUT_S = 60.0
+_PROPERTIES = amqp.Properties(content_type="application/x-hopsched-journal", delivery_mode=2)
+_ENCODED_PROPERTIES = _PROPERTIES.encode()
+_PREFETCH = 2000
+
+
+class JournalWriter:
+    """A relay session's journal records, written in batches.
+
+    Args:
+        publisher: the session's publisher.
+        stream: ``{prefix}.journal``.
+        on_result: ``on_result(records, ok)`` after each batch's outcome (counting).
+    """
+
+    def __init__(
+        self, publisher: Publisher, stream: str, on_result: Callable[[int, bool], None]
+    ) -> None:
+        self.publisher = publisher
+        self.stream = stream
+        self.on_result = on_result
+        self._batch: list[JournalRecord] = []
+        self._warned = False
+
+    def add(self, record: JournalRecord) -> None:
+        """Write ``record`` with the others added in this event loop turn."""
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._batch.append(record)
+        if len(self._batch) >= RECORDS_PER_MESSAGE:
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish the records gathered so far, as one stream message."""
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        count = len(batch)
+
+        def written(outcome: amqp.Outcome, detail: Any) -> None:
+            ok = outcome is amqp.Outcome.ACK
+            if not ok and not self._warned:
+                self._warned = True  # once a session: the count goes on in the stats
+                log.warning(
+                    "%s did not take %d journal records (%s %s): the messages they tell of "
+                    "are delivered or parked all the same; get() may not see it",
+                    self.stream,
+                    count,
+                    outcome.value,
+                    detail or "",
+                )
+            self.on_result(count, ok)
+
+        try:
+            self.publisher.publish(
+                JOURNAL_LANE, "", self.stream, encode_journal(batch), _ENCODED_PROPERTIES, written
+            )
+        except (BrokerConnectionLost, ValueError) as error:
+            written(amqp.Outcome.CLOSED, error)
+
+
+async def read_journal(
+    settings: Settings,
+    *,
+    only: str | None = None,
+    copies: bool = True,
+    on_record: Callable[[JournalRecord], None] | None = None,
+) -> JournalFold:
+    """Read ``settings``' journal from its first record (what retention kept) to its end,
+    folded.
+
+    It writes a marker record and reads until it reads the marker back: everything
+    confirmed before the call is in the fold.
+
+    Args:
+        settings: the broker and prefix.
+        only: fold only this schedule id (the others' copies are not even decoded).
+        copies: keep the copies of the messages (``reschedule`` needs the one of its id).
+        on_record: called with each record read (a listing's progress, tests).
+
+    Raises:
+        BrokerUnavailableError: cannot connect, or the stream gave nothing for
+            ``READ_TIMEOUT_S``.
+        ChannelClosedError: the journal is missing (404: a prefix declared by a hopsched
+            before the journal: a relay of this version declares it).
+        AccessRefusedError: may not write the marker or read the stream (403).
+    """
+    stream = Topology.from_settings(settings).journal_stream
+    fold = JournalFold(only)
+    marker = uuid.uuid4().hex
+    connection = await Connector(settings, name="hopsched-journal").connect()
+    publisher = Publisher(connection)
+    try:
+        await _write_marker(publisher, stream, marker)
+        caught_up = asyncio.Event()
+        lost = asyncio.Event()  # the broker cancelled the reading (the stream deleted)
+        channel = await connection.channel()
+        await channel.qos(_PREFETCH)
+        acker = Acker(channel)
+        last_read = [time.monotonic()]
+
+        def received(delivery: amqp.Delivery) -> None:
+            acker.received(delivery.delivery_tag)
+            acker.done(delivery.delivery_tag)
+            last_read[0] = time.monotonic()
+            for record in decode_journal(delivery.body, copies=copies, only=only):
+                fold.apply(record)
+                if on_record is not None:
+                    on_record(record)
+            if marker.encode() in delivery.body and any(
+                r.op == MARKER and r.schedule_id == marker
+                for r in decode_journal(delivery.body, copies=False, only=marker)
+            ):
+                caught_up.set()
+
+        try:
+            await channel.consume(
+                stream, received, lambda _: lost.set(), arguments={"x-stream-offset": "first"}
+            )
+        except ChannelClosedError as error:
+            if error.reply_code == 403:
+                raise AccessRefusedError(
+                    f"the broker refused ({error}): reading the journal needs read "
+                    f"permission on {stream} (the operator's grant)"
+                ) from None
+            raise
+        while not caught_up.is_set():
+            closed: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(channel.closed))
+            waiting: asyncio.Future[Any] = asyncio.ensure_future(caught_up.wait())
+            await asyncio.wait({closed, waiting}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            closed.cancel()
+            waiting.cancel()
+            if channel.closed.done():
+                raise channel.closed.result()
+            if lost.is_set():
+                raise BrokerConnectionLost(f"the broker cancelled the reading of {stream}")
+            if time.monotonic() - last_read[0] > READ_TIMEOUT_S:
+                raise BrokerUnavailableError(
+                    f"{stream} gave nothing back for {READ_TIMEOUT_S:.0f} s while it was read"
+                )
+    finally:
+        await publisher.close()
+        await connection.close()
+    return fold
+
+
+async def _write_marker(publisher: Publisher, stream: str, marker: str) -> None:
+    confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def written(outcome: amqp.Outcome, detail: Any) -> None:
+        if confirmed.done():
+            return
+        if outcome is amqp.Outcome.ACK:
+            confirmed.set_result(None)
+        elif isinstance(detail, ChannelClosedError) and detail.reply_code == 403:
+            confirmed.set_exception(
+                AccessRefusedError(
+                    f"the broker refused ({detail}): reading the journal writes a marker to "
+                    f"{stream} through amq.default (write permission)"
+                )
+            )
+        elif isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
+            confirmed.set_exception(detail)
+        elif outcome is amqp.Outcome.RETURNED:
+            confirmed.set_exception(
+                ChannelClosedError(
+                    404,
+                    f"NOT_FOUND - no stream {stream!r}: the prefix was declared by a hopsched "
+                    "without a journal, or torn down (a relay of this version declares it)",
+                )
+            )
+        else:
+            confirmed.set_exception(
+                BrokerUnavailableError(f"{stream} did not take the marker ({outcome.value})")
+            )
+
+    record = encode_journal([JournalRecord(MARKER, marker, 0, 0)])
+    publisher.publish(JOURNAL_LANE, "", stream, record, _ENCODED_PROPERTIES, written)
+    async with asyncio.timeout(READ_TIMEOUT_S):
+        await confirmed

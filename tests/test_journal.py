@@ -1,0 +1,312 @@
+"""The journal's records and their fold into what is known of each schedule: pure, no
+broker (``hopsched.journal``)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hopsched.envelope import Envelope
+from hopsched.journal import (
+    CANCELLED,
+    DELIVERED,
+    HELD,
+    MAGIC,
+    PARKED,
+    PENDING,
+    SCHEDULED,
+    Copy,
+    JournalFold,
+    JournalRecord,
+    decode_journal,
+    delivered_record,
+    encode_journal,
+    refresh_step_ms,
+    retention_bound_us,
+)
+from hopsched.ladder import US_PER_MS, Hop, Ladder
+from hopsched.topology import JOURNAL_RETENTION_US
+
+HOLD_US = 4_000_000
+NOW = 1_800_000_000_000_000
+HOUR = 3_600_000_000
+
+
+def scheduled(sid: str, created: int, due: int, **extra: object) -> JournalRecord:
+    fields: dict[str, object] = {"exchange": "", "routing_key": "q", "size": 3} | extra
+    return JournalRecord(SCHEDULED, sid, created, created, due, **fields)  # type: ignore[arg-type]
+
+
+def outcome(
+    op: str, sid: str, created: int, due: int, at: int, reason: str | None = None
+) -> JournalRecord:
+    return JournalRecord(op, sid, at, created, due, "", "q", 3, reason=reason)
+
+
+def cancelled(sid: str, at: int) -> JournalRecord:
+    return JournalRecord(CANCELLED, sid, at, at)
+
+
+def fold(*records: JournalRecord, only: str | None = None) -> JournalFold:
+    journal = JournalFold(only)
+    for record in records:
+        journal.apply(record)
+    return journal
+
+
+# --- encoding --------------------------------------------------------------------------
+
+texts = st.text(max_size=20)
+records = st.builds(
+    JournalRecord,
+    op=st.sampled_from([SCHEDULED, DELIVERED, PARKED]),
+    schedule_id=st.text(min_size=1, max_size=40),
+    at_us=st.integers(0, 2**62),
+    created_us=st.integers(0, 2**62),
+    due_us=st.integers(0, 2**62),
+    exchange=texts,
+    routing_key=texts,
+    size=st.none() | st.integers(0, 2**40),
+    owner=st.none() | texts,
+    reason=st.none() | texts,
+    origin=st.none() | st.sampled_from(["schedule", "replace", "reschedule", "refresh"]),
+    copy=st.none() | st.builds(Copy, st.binary(max_size=64), st.binary(max_size=256)),
+)
+
+
+@given(st.lists(records, max_size=8))
+def test_records_come_back_as_they_were_written(written: list[JournalRecord]) -> None:
+    body = encode_journal(written)
+
+    assert list(decode_journal(body)) == written
+    assert [r.copy for r in decode_journal(body, copies=False)] == [None] * len(written)
+
+
+@given(st.lists(records, min_size=1, max_size=8))
+def test_only_one_id_reads_its_records_with_their_copies(written: list[JournalRecord]) -> None:
+    wanted = written[0].schedule_id
+
+    read = list(decode_journal(encode_journal(written), only=wanted))
+
+    assert read == [r for r in written if r.schedule_id == wanted]
+
+
+@given(st.lists(records, min_size=1, max_size=4), st.integers(1, 200))
+def test_a_truncated_message_keeps_the_records_before_the_cut(
+    written: list[JournalRecord], cut: int
+) -> None:
+    body = encode_journal(written)
+    short = body[: max(len(MAGIC), len(body) - cut)]
+
+    read = list(decode_journal(short))
+
+    assert read == written[: len(read)]
+
+
+def test_what_is_not_a_journal_record_is_skipped() -> None:
+    def part(data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + data
+
+    good = encode_journal([scheduled("a", 1, 2)])
+    odd = [
+        json.dumps({"op": "scheduled", "id": "b", "at": 1, "c": 1}).encode(),  # no due time
+        json.dumps({"op": "nonsense", "id": "c", "at": 1, "c": 1}).encode(),
+        json.dumps({"op": "delivered", "id": 7, "at": 1, "c": 1, "due": 1}).encode(),
+        json.dumps(["a list"]).encode(),
+        b"{not json",
+    ]
+    body = good + b"".join(part(meta) for meta in odd[:4])
+
+    assert [r.schedule_id for r in decode_journal(body)] == ["a"]
+    assert list(decode_journal(b'{"op":"cancel"}\n')) == []  # a cancel-stream body
+    assert [r.schedule_id for r in decode_journal(good + part(odd[4]) + good)] == ["a"]
+
+
+# --- the fold --------------------------------------------------------------------------
+
+
+def test_each_state_and_its_instants() -> None:
+    due = NOW + HOUR
+    journal = fold(
+        scheduled("pending", NOW - 1, due),
+        scheduled("held", NOW - 1, NOW + HOLD_US),
+        scheduled("delivered", NOW - 1, NOW - 10),
+        outcome(DELIVERED, "delivered", NOW - 1, NOW - 10, NOW - 9),
+        scheduled("cancelled", NOW - 5, due),
+        cancelled("cancelled", NOW - 4),
+        scheduled("parked", NOW - 5, NOW - 3),
+        outcome(PARKED, "parked", NOW - 5, NOW - 3, NOW - 2, reason="unroutable"),
+    )
+
+    def info(sid: str) -> tuple[object, ...]:
+        found = journal.info(sid, NOW, HOLD_US)
+        assert found is not None
+        return found.state, found.delivered_us, found.cancelled_us, found.parked_us
+
+    assert info("pending") == (PENDING, None, None, None)
+    assert info("held") == (HELD, None, None, None)
+    assert info("delivered") == (DELIVERED, NOW - 9, None, None)
+    assert info("cancelled") == (CANCELLED, None, NOW - 4, None)
+    assert info("parked") == (PARKED, None, None, NOW - 2)
+    parked = journal.info("parked", NOW, HOLD_US)
+    assert parked is not None
+    assert parked.parked_reason == "unroutable"
+    assert journal.info("never", NOW, HOLD_US) is None
+
+
+def test_a_cancel_alone_does_not_make_an_id_known() -> None:
+    assert fold(cancelled("x", NOW)).info("x", NOW, HOLD_US) is None
+
+
+def test_the_newest_copy_wins_and_an_older_copys_outcome_is_not_its_own() -> None:
+    """A reschedule (or a replace) is a newer copy: the old one's delivery (a race at its
+    due time) or the cancel before it say nothing of the new one."""
+    journal = fold(
+        scheduled("x", NOW - 10, NOW - 5),
+        outcome(DELIVERED, "x", NOW - 10, NOW - 5, NOW - 4),
+        cancelled("x", NOW - 2),
+        scheduled("x", NOW - 1, NOW + HOUR, origin="reschedule"),
+    )
+
+    info = journal.info("x", NOW, HOLD_US)
+
+    assert info is not None
+    assert (info.state, info.due_us, info.origin) == (PENDING, NOW + HOUR, "reschedule")
+
+
+def test_a_cancel_takes_the_copies_created_at_or_before_it_only() -> None:
+    before = fold(scheduled("x", NOW, NOW + HOUR), cancelled("x", NOW))
+    after = fold(scheduled("x", NOW + 1, NOW + HOUR), cancelled("x", NOW))
+
+    assert before.info("x", NOW, HOLD_US).state == CANCELLED  # type: ignore[union-attr]
+    assert after.info("x", NOW, HOLD_US).state == PENDING  # type: ignore[union-attr]
+
+
+def test_a_parked_message_replayed_and_delivered_is_delivered() -> None:
+    journal = fold(
+        scheduled("x", NOW - 9, NOW - 8),
+        outcome(PARKED, "x", NOW - 9, NOW - 8, NOW - 7, reason="unroutable"),
+        outcome(DELIVERED, "x", NOW - 9, NOW - 8, NOW - 1),
+    )
+
+    assert journal.info("x", NOW, HOLD_US).state == DELIVERED  # type: ignore[union-attr]
+
+
+def test_a_relays_record_alone_is_enough_to_answer() -> None:
+    """The producer's record past retention (or from before the journal): the relay's
+    delivered record still says what, where and when."""
+    envelope = Envelope("x", NOW - 5, "ex", "rk", created_us=NOW - 50)
+
+    info = fold(delivered_record(envelope, 12, NOW - 4)).info("x", NOW, HOLD_US)
+
+    assert info is not None
+    assert (info.state, info.exchange, info.routing_key, info.size) == (DELIVERED, "ex", "rk", 12)
+    assert info.origin is None
+    assert info.copy is None
+
+
+def test_a_refresh_keeps_the_producers_origin_but_not_its_copy_if_it_has_none() -> None:
+    journal = fold(
+        scheduled("x", NOW - 9, NOW + HOUR, origin="replace", copy=Copy(b"p", b"old")),
+        JournalRecord(
+            SCHEDULED,
+            "x",
+            NOW - 1,
+            NOW - 9,
+            NOW + HOUR,
+            "",
+            "q",
+            3,
+            origin="refresh",
+            copy=Copy(b"p", b"refreshed"),
+        ),
+    )
+
+    info = journal.info("x", NOW, HOLD_US)
+
+    assert info is not None
+    assert info.origin == "replace"
+    assert info.copy == Copy(b"p", b"old")
+
+
+def test_only_folds_one_id() -> None:
+    journal = fold(scheduled("a", 1, 2), scheduled("b", 1, 2), only="a")
+
+    assert len(journal) == 1
+    assert journal.info("b", NOW, HOLD_US) is None
+
+
+ids = st.sampled_from(["a", "b", "c"])
+instants = st.integers(NOW - 20, NOW + 20)
+any_record = st.one_of(
+    st.builds(
+        lambda sid, c, due, origin: scheduled(sid, c, due, origin=origin),
+        ids, instants, st.integers(NOW - 30, NOW + HOUR), st.sampled_from(["schedule", "refresh"]),
+    ),
+    st.builds(
+        lambda op, sid, c, at: outcome(op, sid, c, NOW, at),
+        st.sampled_from([DELIVERED, PARKED]), ids, instants, instants,
+    ),
+    st.builds(cancelled, ids, instants),
+)  # fmt: skip
+
+
+@given(st.lists(any_record, max_size=12), st.randoms(use_true_random=False))
+def test_the_fold_does_not_depend_on_the_order_records_are_read_in(
+    written: list[JournalRecord], shuffle: object
+) -> None:
+    """Records reach a reader in stream order, but written by many processes with their
+    own clocks: the answer must be the same in any order."""
+    shuffled = list(written)
+    shuffle.shuffle(shuffled)  # type: ignore[attr-defined]
+
+    def answer(journal: JournalFold) -> list[object]:
+        return sorted(
+            (info.schedule_id, info.state, info.created_us, info.due_us, info.delivered_us,
+             info.parked_us, info.cancelled_us)
+            for info in journal.infos(NOW, HOLD_US)
+        )  # fmt: skip
+
+    assert answer(fold(*written)) == answer(fold(*shuffled))
+
+
+@given(st.lists(any_record, min_size=1, max_size=12))
+def test_the_newest_copy_is_the_one_described(written: list[JournalRecord]) -> None:
+    journal = fold(*written)
+    for info in journal.infos(NOW, HOLD_US):
+        copies = [
+            r.created_us for r in written if r.schedule_id == info.schedule_id and r.op != CANCELLED
+        ]
+        assert info.created_us == max(copies)
+
+
+# --- retention -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_step_ms", [2**20, 2**28, 2**32])
+@given(tops=st.integers(0, 50_000))
+def test_a_pending_message_always_has_a_record_younger_than_the_bound(
+    top_step_ms: int, tops: int
+) -> None:
+    """Followed hop by hop (each hop returning the instant its TTL ends), a message gets a
+    record when scheduled and at each hop on a step of ``refresh_step_ms`` or more: no
+    instant before its delivery is further than ``retention_bound_us`` from the last one."""
+    ladder = Ladder(max_step_ms=top_step_ms)
+    now, due = 0, tops * top_step_ms * US_PER_MS // 1000  # up to 50 top steps
+    last_record, widest = 0, 0
+    while True:
+        plan = ladder.plan(now_us=now, due_us=due)
+        if not isinstance(plan, Hop):
+            widest = max(widest, due - last_record)
+            break
+        if plan.step_ms >= refresh_step_ms(top_step_ms) and now > 0:
+            widest = max(widest, now - last_record)
+            last_record = now
+        now += plan.step_ms * US_PER_MS
+
+    assert widest <= retention_bound_us(top_step_ms)
+    assert retention_bound_us(2**32) < JOURNAL_RETENTION_US
