@@ -35,6 +35,7 @@ from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.policies import PROTECT_PRIORITY
 from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
 from hopsched.prepare import due_time_us
+from hopsched.recurring import Rule
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
@@ -301,6 +302,29 @@ def relay(
     "--management-url",
     help="Management API base URL(s) for --check-target [default http://HOST:15672/].",
 )
+@click.option(
+    "--every",
+    callback=_parse_in,
+    help="Recurring: every this long (at least 1s), e.g. 30s, 5m, 1h; first at --start "
+    "[default: one interval from now].",
+)
+@click.option(
+    "--cron",
+    metavar="EXPR",
+    help="Recurring: on a cron expression, e.g. '0 9 * * 1-5' (6 fields: seconds first).",
+)
+@click.option("--tz", metavar="ZONE", help="Time zone of --cron, e.g. Europe/Paris [default UTC].")
+@click.option("--start", callback=_parse_at, help="Recurring: no occurrence before (ISO 8601).")
+@click.option("--until", callback=_parse_at, help="Recurring: no occurrence after (ISO 8601).")
+@click.option(
+    "--count", type=click.IntRange(min=1), help="Recurring: at most this many deliveries."
+)
+@click.option(
+    "--catch-up",
+    type=click.Choice(["latest", "all", "none"]),
+    help="Recurring: occurrences missed while no relay ran: latest (default: the latest once), "
+    "all, none.",
+)
 def schedule(
     url: str | None,
     prefix: str | None,
@@ -321,12 +345,22 @@ def schedule(
     schedule_id: str | None,
     check_target: bool,
     management_url: str | None,
+    every: timedelta | None,
+    cron: str | None,
+    tz: str | None,
+    start: datetime | None,
+    until: datetime | None,
+    count: int | None,
+    catch_up: str | None,
 ) -> None:
-    """Schedule one message; prints its schedule id and due time (UTC). Refused (exit 4)
-    on a prefix that has no relay queue: start a relay or run `hopsched declare` first.
-    An --at more than a minute past is delivered at once, with a warning."""
-    if (at is None) == (delay is None):
-        raise click.UsageError("give exactly one of --at and --in")
+    """Schedule one message, or a recurring one (--every or --cron: docs/recurring.md);
+    prints its schedule id and (first) due time (UTC). Refused (exit 4) on a prefix that
+    has no relay queue: start a relay or run `hopsched declare` first. An --at more than
+    a minute past is delivered at once, with a warning."""
+    recurring: dict[str, Any] = {"every": every, "cron": cron, "tz": tz, "start": start}
+    recurring |= {"until": until, "count": count, "catch_up": catch_up}
+    if sum(value is not None for value in (at, delay, every, cron)) != 1:
+        raise click.UsageError("give exactly one of --at, --in, --every and --cron")
     if body is not None and body_file is not None:
         raise click.UsageError("give at most one of --body and --body-file")
     if expiration is not None and expiration < timedelta(0):
@@ -365,7 +399,16 @@ def schedule(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     now = now_us()
     try:  # before connecting: bad input should not declare anything
-        due = due_time_us(at, delay, now)
+        if every is None and cron is None:
+            if any(value is not None for value in recurring.values()):
+                raise InvalidScheduleError(
+                    "--tz, --start, --until, --count and --catch-up are for a recurring "
+                    "schedule: give --every or --cron"
+                )
+            due = due_time_us(at, delay, now)
+        else:
+            rule = Rule.make(now_us=now, **{**recurring, "catch_up": catch_up or "latest"})
+            due = rule.first_us() or now
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
     if at is not None and now - due > _PAST_WARNING_US:
@@ -388,8 +431,10 @@ def schedule(
                 routing_key=routing_key,
                 schedule_id=schedule_id,
                 check_target=check_target,
+                **recurring,
             )
-        click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}")
+        what = "" if every is None and cron is None else " (first occurrence; recurring)"
+        click.echo(f"scheduled {result.schedule_id} due {result.due.isoformat()}{what}")
 
     _run(go())
 

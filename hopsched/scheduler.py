@@ -48,6 +48,7 @@ from hopsched.prepare import (
     reroute,
 )
 from hopsched.publisher import LADDER_LANE, Publisher
+from hopsched.recurring import Rule
 from hopsched.routes import check_route
 from hopsched.settings import Settings
 from hopsched.topology import Topology, declare_topology
@@ -300,8 +301,16 @@ class Scheduler:
         schedule_id: str | None = None,
         declare: bool = False,
         check_target: bool = False,
+        every: timedelta | float | None = None,
+        cron: str | None = None,
+        tz: str | None = None,
+        start: datetime | None = None,
+        until: datetime | None = None,
+        count: int | None = None,
+        catch_up: str | None = None,
     ) -> Scheduled:
-        """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after ``delay``.
+        """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after
+        ``delay``, or again and again: ``every`` interval or on ``cron`` in ``tz``.
 
         Args:
             message: an ``aio_pika.Message`` (body, every property and header are
@@ -322,10 +331,29 @@ class Scheduler:
                 a passive declare; for an exchange other than the default one, its
                 bindings from the management API). A target broken at due time is
                 parked; this finds it now. It checks the bindings of this instant.
+            every: a recurring schedule: every this long (a timedelta or seconds, at least
+                1 s), from ``start`` (default: one interval from now).
+            cron: or on a cron expression (``"0 9 * * 1-5"``; six fields: seconds first),
+                read in time zone ``tz`` (an IANA name, default UTC; the DST gap and fold
+                as ``hopsched.recurring`` says), from ``start`` (default now).
+            start, until: aware datetimes: no occurrence before ``start``, none after
+                ``until`` (default: no end).
+            count: at most this many occurrences are delivered.
+            catch_up: what occurrences missed while no relay ran become: ``"latest"``
+                (default: the latest is delivered once), ``"all"``, ``"none"``
+                (``hopsched.recurring.CatchUp``).
+
+        A recurring schedule is one message in the broker at a time: when an occurrence
+        is due the relay delivers it and schedules the next (docs/recurring.md). Each
+        occurrence is delivered with ``x-hopsched-id`` (``schedule_id``, the same for all),
+        ``x-hopsched-due`` (its own due time), ``x-hopsched-occurrence`` (1, 2, ...) and
+        ``x-hopsched-key`` (``ID@DUE``, to de-duplicate per occurrence). ``cancel(id)``
+        ends it; ``reschedule`` does not apply to it (cancel it and schedule it anew).
 
         Returns:
-            ``Scheduled`` with the schedule id and the due time, once the broker has
-            confirmed the message (it is then safe from a crash of this process).
+            ``Scheduled`` with the schedule id and the due time (a recurring schedule's
+            first occurrence), once the broker has confirmed the message (it is then
+            safe from a crash of this process).
 
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
@@ -350,8 +378,25 @@ class Scheduler:
         Schedule it again with the same ``schedule_id`` and de-duplicate on
         ``x-hopsched-id``.
         """
+        rule = None
+        if every is not None or cron is not None:
+            rule = Rule.make(
+                now_us=self._clock(),
+                every=every,
+                cron=cron,
+                tz=tz,
+                start=start,
+                until=until,
+                count=count,
+                catch_up=catch_up or "latest",
+            )
+        elif (tz, start, until, count, catch_up) != (None,) * 5:
+            raise InvalidScheduleError(
+                "tz=, start=, until=, count= and catch_up= are for a recurring schedule: "
+                "give every= or cron= too"
+            )
         checked = self._check(
-            ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id)
+            ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id, rule)
         )
         if declare and not self._declared:
             await self._declare_topology(create=True)

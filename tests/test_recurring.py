@@ -303,3 +303,35 @@ def test_a_chain_terminates_moves_forward_and_never_delivers_early(
 
 def test_missed_after_is_well_above_a_relays_lateness() -> None:
     assert MISSED_AFTER_US >= 10 * S
+
+
+# --- lineage claims (cancel.py) ----------------------------------------------------------------
+
+
+def test_lineage_claims_agree_on_one_winner_and_keep_what_they_do_not_know() -> None:
+    from hopsched.cancel import LINEAGE, Cancellations, Record, decode_records, encode_records
+
+    cancellations = Cancellations(retention_us=100 * S)
+    claim = Record(LINEAGE, "chain", T0, due_us=T0 + 10 * S, kind="1.b")
+    (read,) = decode_records(encode_records([claim]))
+    cancellations.apply(read)
+    superseded = cancellations.superseded
+    assert superseded("chain", None, T0 + 10 * S, None)  # the first lineage's copy
+    assert superseded("chain", None, T0 + 11 * S, None)
+    assert not superseded("chain", None, T0 + 10 * S, "1.b")  # the claimed lineage lives
+    assert not superseded("chain", None, T0 + 10 * S, "2.x")  # a claim not read yet: kept
+    assert not superseded("chain", None, T0 + 9 * S, None)  # before the claim: untouched
+    assert not superseded("chain", "k1", T0 + 10 * S, None)  # another signer's schedule
+    assert not superseded("other", None, T0 + 10 * S, None)
+    # a second crash: the copy of lineage 1.b delivered again, claimed as 2.c
+    cancellations.apply(Record(LINEAGE, "chain", T0 - S, due_us=T0 + 10 * S, kind="2.c"))
+    assert superseded("chain", None, T0 + 10 * S, "1.b")  # higher generation wins, any clock
+    assert not superseded("chain", None, T0 + 10 * S, "2.c")
+    # a claim at a later occurrence outranks one at an earlier one, in any reading order
+    cancellations.apply(Record(LINEAGE, "chain", T0 + 2 * S, due_us=T0 + 12 * S, kind="1.d"))
+    assert superseded("chain", None, T0 + 12 * S, "2.c")
+    assert not superseded("chain", None, T0 + 11 * S, "2.c")  # before 1.d's occurrence
+    assert not superseded("chain", None, T0 + 12 * S, "1.d")
+    assert cancellations.forget(T0 + 100 * S + 1) == 2  # 1.b and 2.c, past retention
+    assert not superseded("chain", None, T0 + 12 * S, "2.c")  # forgotten: unknown, kept
+    assert superseded("chain", None, T0 + 12 * S, None)
