@@ -59,7 +59,6 @@ MISSED_AFTER_US = 10_000_000
 #: Occurrences a cron catch-up steps over at most before it jumps to the last one by
 #: iterating backwards from now.
 _FORWARD_STEPS = 1000
-_US = timedelta(microseconds=1)
 
 
 class CatchUp(StrEnum):
@@ -409,4 +408,4 @@ def _aware_us(name: str, value: datetime) -> int:
             f"{name}={value.isoformat()} is a naive datetime: pass an aware one, e.g. "
             "datetime(2030, 1, 1, 9, tzinfo=ZoneInfo('Europe/Paris'))"
         )
-    return (value - datetime(1970, 1, 1, tzinfo=UTC)) // _US
+    return datetime_to_us(value)
