@@ -473,7 +473,8 @@ def first_hop_properties(
     """The caller's properties (and headers, from ``callers_headers``) for
     ``schedule()``'s publish: the envelope in the headers, persistent, no ``expiration``
     (the envelope keeps it for the final publish), and the schedule id as
-    ``message_id`` if the caller set none."""
+    ``message_id`` if the caller set none (not for a recurring schedule: each occurrence
+    gets its own, ``delivery_properties``)."""
     return properties.replace(
         headers=first_hop_headers(
             headers, envelope, hop_expires_us=hop_expires_us, producer=producer
@@ -482,7 +483,8 @@ def first_hop_properties(
         delivery_mode=PERSISTENT,
         # Left unset, AMQP clients fill message_id with a random id; the schedule id is
         # as unique and lets consumers de-duplicate on either.
-        message_id=properties.message_id or envelope.schedule_id,
+        message_id=properties.message_id
+        or (None if envelope.rule is not None else envelope.schedule_id),
     )
 
 
@@ -553,7 +555,10 @@ def retry_properties(
 
 def delivery_properties(properties: Properties, envelope: Envelope) -> Properties:
     """A delivery's properties for the final publish: the caller's headers (plus id, due
-    time and hops), and the caller's own ``expiration`` and delivery mode."""
+    time and hops), and the caller's own ``expiration`` and delivery mode. An occurrence
+    of a recurring schedule also gets its occurrence number and key, and the key as
+    ``message_id`` if the caller set none (one id for every occurrence would make a
+    consumer that de-duplicates on it drop all but the first)."""
     if envelope.delivery_mode is None:
         delivery_mode: int | None = PERSISTENT
     else:
@@ -561,17 +566,16 @@ def delivery_properties(properties: Properties, envelope: Envelope) -> Propertie
     headers = delivery_headers(properties.headers)
     if headers.get(HEADER_DUE) != envelope.due_us:  # rescheduled, or a recurring catch-up
         headers = headers.update({HEADER_DUE: envelope.due_us})
+    message_id = properties.message_id
     if envelope.occurrence:
-        headers = headers.update(
-            {
-                HEADER_OCCURRENCE: envelope.occurrence,
-                HEADER_KEY: f"{envelope.schedule_id}@{envelope.due_us}",
-            }
-        )
+        key = f"{envelope.schedule_id}@{envelope.due_us}"
+        headers = headers.update({HEADER_OCCURRENCE: envelope.occurrence, HEADER_KEY: key})
+        message_id = message_id or key
     return properties.replace(
         headers=headers,
         expiration=envelope.expiration,
         delivery_mode=delivery_mode,
+        message_id=message_id,
     )
 
 

@@ -48,6 +48,7 @@ async def test_every_second_with_a_count_delivers_each_occurrence_once_on_the_ru
     assert [r.due_us for r in received] == [first.due_us + k * S for k in range(4)]
     assert {r.schedule_id for r in received} == {"tick"}
     assert [r.headers[HEADER_KEY] for r in received] == [f"tick@{r.due_us}" for r in received]
+    assert [r.properties.message_id for r in received] == [r.headers[HEADER_KEY] for r in received]
     assert all(HEADER_RULE not in r.headers for r in received)
     assert [r.body for r in received] == [b"tick"] * 4
     target.assert_never_early()
