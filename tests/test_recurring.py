@@ -335,3 +335,80 @@ def test_lineage_claims_agree_on_one_winner_and_keep_what_they_do_not_know() -> 
     assert cancellations.forget(T0 + 100 * S + 1) == 2  # 1.b and 2.c, past retention
     assert not superseded("chain", None, T0 + 12 * S, "2.c")  # forgotten: unknown, kept
     assert superseded("chain", None, T0 + 12 * S, None)
+
+
+# --- the relay's decisions for a recurring occurrence (decide.py) ----------------------------
+
+
+def test_link_delivers_without_the_rule_and_chains_the_next_signed_by_the_same_key() -> None:
+    from hopsched.cancel import Cancellations
+    from hopsched.decide import Decider, Linked
+    from hopsched.envelope import Envelope
+    from hopsched.ladder import Hop, Ladder
+    from hopsched.signing import Signatures, SigningKey
+    from hopsched.targets import TargetPolicy
+
+    keys = Signatures((SigningKey("new", b"n" * 32), SigningKey("old", b"o" * 32)), "p")
+    decider = Decider(Ladder(), "guest", TargetPolicy(()), 300 * S, keys)
+    rule = Rule.make(now_us=T0, every=60, start=us_to_datetime(T0), count=3)
+    body = b"tick"
+    one = Envelope("s", T0, "", "q", created_us=T0 - S, rule=rule.encode(), occurrence=1)
+    signed_old = keys._signed(one, body, keys.keys[1])  # scheduled before a key rotation
+
+    linked = decider.link(signed_old, body, T0 + 5_000, Cancellations(S))
+
+    assert isinstance(linked, Linked)
+    assert linked.deliver is not None
+    assert linked.next is not None
+    assert linked.deliver.rule is None
+    assert (linked.deliver.due_us, linked.deliver.occurrence) == (T0, 1)
+    assert (linked.next.due_us, linked.next.occurrence) == (T0 + 60 * S, 2)
+    assert linked.next.rule == rule.encode()
+    assert linked.next.created_us == T0 - S  # a cancel of the schedule reaches it
+    assert isinstance(linked.plan, Hop)
+    for envelope in (linked.deliver, linked.next):
+        assert envelope.owner == "old"  # still its owner's
+        assert keys.check_envelope(envelope, body) == envelope  # the MAC verifies
+    tampered = Envelope("s", T0, "", "q", created_us=T0 - S, rule=rule.encode(), occurrence=1)
+    forged = keys._signed(tampered, body, keys.keys[1])
+    swapped = Envelope(
+        "s",
+        T0,
+        "",
+        "q",
+        created_us=T0 - S,
+        rule=Rule.make(now_us=T0, every=1).encode(),
+        occurrence=1,
+        signature=forged.signature,
+    )
+    assert keys.check_envelope(swapped, body) != swapped  # the rule is in the MAC
+    last = Envelope("s", T0, "", "q", rule=rule.encode(), occurrence=3)
+    end = decider.link(last, body, T0, Cancellations(S))
+    assert isinstance(end, Linked)
+    assert end.next is None  # count reached
+
+
+def test_claim_takes_the_next_generation_and_drops_a_copy_already_replaced() -> None:
+    from hopsched.cancel import LINEAGE, Cancellations, Record
+    from hopsched.decide import Cancel, Decider
+    from hopsched.envelope import Envelope
+    from hopsched.ladder import Ladder
+    from hopsched.signing import Signatures
+    from hopsched.targets import TargetPolicy
+
+    decider = Decider(Ladder(), "guest", TargetPolicy(()), 300 * S, Signatures())
+    rule = Rule.make(now_us=T0, every=60, start=us_to_datetime(T0)).encode()
+    headers = Envelope("s", T0, "", "q", rule=rule, occurrence=1, lineage="1.a").to_headers()
+    cancellations = Cancellations(100 * S)
+
+    claim = decider.claim(headers, b"", T0, "b", cancellations)
+
+    assert isinstance(claim, tuple)
+    record, envelope = claim
+    assert envelope.lineage == "2.b"
+    assert (record.op, record.schedule_id, record.due_us, record.kind) == (LINEAGE, "s", T0, "2.b")
+    cancellations.apply(record)
+    cancellations.apply(Record(LINEAGE, "s", T0, T0, kind="1.a"))
+    assert isinstance(decider.claim(headers, b"", T0, "c", cancellations), Cancel)
+    one_shot = Envelope("t", T0, "", "q").to_headers()
+    assert decider.claim(one_shot, b"", T0, "d", cancellations) is None
