@@ -248,7 +248,8 @@ class Cancellations:
             if record.due_us is not None and record.kind:
                 key = _key(record.schedule_id, record.key_id)
                 claims = self._lineages.setdefault(key, {})
-                claims[record.kind] = (record.due_us, record.at_us)
+                claim = (record.due_us, record.at_us)  # (one lineage claimed twice: the later)
+                claims[record.kind] = max(claims.get(record.kind, claim), claim)
             return
         if record.op != CANCEL and record.op != RESCHEDULE:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -412,3 +413,45 @@ def test_claim_takes_the_next_generation_and_drops_a_copy_already_replaced() -> 
     assert isinstance(decider.claim(headers, b"", T0, "c", cancellations), Cancel)
     one_shot = Envelope("t", T0, "", "q").to_headers()
     assert decider.claim(one_shot, b"", T0, "d", cancellations) is None
+
+
+claims = st.lists(
+    st.tuples(
+        st.integers(min_value=0, max_value=4),  # occurrence (due) of the claim
+        st.integers(min_value=1, max_value=3),  # generation
+        st.sampled_from("abc"),  # nonce
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(claims, st.randoms(use_true_random=False))
+def test_relays_that_read_the_same_claims_in_any_order_keep_the_same_one_lineage(
+    made: list[tuple[int, int, str]], rng: random.Random
+) -> None:
+    from hopsched.cancel import LINEAGE, Cancellations, Record
+
+    records = [
+        Record(LINEAGE, "s", T0 + i, due_us=T0 + due * S, kind=f"{gen}.{nonce}")
+        for i, (due, gen, nonce) in enumerate(made)
+    ]
+    shuffled = records[:]
+    rng.shuffle(shuffled)
+    first, second = Cancellations(10**12), Cancellations(10**12)
+    for record in records:
+        first.apply(record)
+    for record in shuffled:
+        second.apply(record)
+    lineages = [None, *{record.kind for record in records}]
+    for due in range(6):
+        for lineage in lineages:
+            one = first.superseded("s", None, T0 + due * S, lineage)
+            assert one == second.superseded("s", None, T0 + due * S, lineage)
+    # from the winner's occurrence on, exactly one lineage lives: the winner's
+    top = max(records, key=lambda r: (r.due_us, int(r.kind.split(".")[0]), r.kind))  # type: ignore[union-attr]
+    assert top.due_us is not None
+    for due in range((top.due_us - T0) // S, 6):
+        alive = [x for x in lineages if not first.superseded("s", None, T0 + due * S, x)]
+        assert alive == [top.kind]
