@@ -36,6 +36,7 @@ __all__ = [
     "CANCEL",
     "GRACE_US",
     "HANDED_BACK",
+    "LINEAGE",
     "MARKER",
     "NOTICES",
     "PARKED",
@@ -45,6 +46,7 @@ __all__ = [
     "RecordTally",
     "decode_records",
     "encode_records",
+    "lineage_generation",
 ]
 
 CANCEL, RESCHEDULE = "cancel", "reschedule"
@@ -57,7 +59,11 @@ PARKED = "parked"
 #: queue, which dead-letters it into parking as it is: ``reason`` is why (the broker's
 #: refusal), for ``hopsched parked list``, the parked copy having no room for it.
 HANDED_BACK = "handed_back"
-_OPS = frozenset({CANCEL, RESCHEDULE, MARKER, PARKED, HANDED_BACK})
+#: A relay's claim that a recurring schedule goes on, from the occurrence due at ``due``,
+#: as lineage ``kind`` alone (docs/recurring.md, "Never forked"): written before the relay
+#: acts on an occurrence delivered to it again, whose successor may exist already.
+LINEAGE = "lineage"
+_OPS = frozenset({CANCEL, RESCHEDULE, MARKER, PARKED, HANDED_BACK, LINEAGE})
 #: Records that change no schedule: a relay applies none of them.
 NOTICES = frozenset({MARKER, PARKED, HANDED_BACK})
 #: How long past its due time a record is kept, µs: a relay crash can leave a second copy
@@ -75,7 +81,8 @@ class Record:
         at_us: when it was made, µs since the epoch (the canceller's clock): it applies
             to messages created before.
         due_us: a reschedule's new due time; a cancel's due time if the canceller knew it.
-        kind: a ``"parked"`` notice's ParkKind; None otherwise.
+        kind: a ``"parked"`` notice's ParkKind; a ``"lineage"`` claim's lineage; None
+            otherwise.
         key_id, mac: its signature (``hopsched.signing``): the signing key's id and the
             HMAC, 64 hex digits; None if unsigned.
         reason: a ``"handed_back"`` notice's reason; None otherwise.
@@ -182,6 +189,19 @@ def decode_records(body: bytes) -> Iterator[Record]:
             yield record
 
 
+def lineage_generation(lineage: str | None) -> int:
+    """A lineage's generation: 0 for the first (None), else the number before its dot
+    (``GEN.NONCE``; a relay claims generation + 1 of the copy it got again)."""
+    if lineage is None:
+        return 0
+    head = lineage.partition(".")[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _rank(lineage: str, claim: tuple[int, int]) -> tuple[int, int, str]:
+    return claim[0], lineage_generation(lineage), lineage
+
+
 def _key(schedule_id: str, owner: str | None) -> bytes:
     """A record's or message's key: its signer's key id (none: unsigned) and its id. An
     unsigned key starts with NUL, a key id never holds one: no two keys coincide."""
@@ -207,9 +227,11 @@ class Cancellations:
         self._cancelled: dict[bytes, int] = {}  # id -> when; no message met yet
         # id -> (op, when, the record's due time, kept until)
         self._timed: dict[bytes, tuple[str, int, int | None, int]] = {}
+        # id -> {lineage: (due, when)}: the lineage claims read
+        self._lineages: dict[bytes, dict[str, tuple[int, int]]] = {}
 
     def __len__(self) -> int:
-        return len(self._cancelled) + len(self._timed)
+        return len(self._cancelled) + len(self._timed) + len(self._lineages)
 
     def _known(self, key: bytes) -> tuple[str, int, int | None, int] | None:
         at = self._cancelled.get(key)
@@ -221,7 +243,14 @@ class Cancellations:
         """Add a verified record (``Signatures.check_record``): it applies to the
         messages of its id signed with its ``key_id`` (None: the unsigned ones). Of two
         for one id and signer, the later one (by ``at_us``) stands. A marker or a
-        notice is none of its business."""
+        notice is none of its business. Lineage claims are all kept (``superseded``)."""
+        if record.op == LINEAGE:
+            if record.due_us is not None and record.kind:
+                key = _key(record.schedule_id, record.key_id)
+                claims = self._lineages.setdefault(key, {})
+                claim = (record.due_us, record.at_us)  # (one lineage claimed twice: the later)
+                claims[record.kind] = max(claims.get(record.kind, claim), claim)
+            return
         if record.op != CANCEL and record.op != RESCHEDULE:
             return
         key = _key(record.schedule_id, record.key_id)
@@ -263,13 +292,43 @@ class Cancellations:
             return CANCEL
         return record_due if record_due != due_us else None
 
+    def superseded(
+        self, schedule_id: str, owner: str | None, due_us: int, lineage: str | None
+    ) -> bool:
+        """Whether a recurring occurrence due at ``due_us`` of lineage ``lineage`` (None:
+        the first) is a copy another lineage replaced.
+
+        Of a schedule's claims the winner is the greatest by (due time, generation,
+        lineage): every relay that has read them picks the same one, and each claimed
+        lineage had a live copy when it was claimed. A copy is replaced if the winner is
+        of another lineage, claimed at or before its occurrence, and its own lineage is
+        the first or ranks below the winner. A lineage whose claim this relay has not read
+        yet is kept: at worst a duplicate, never a chain lost."""
+        if not self._lineages:
+            return False
+        claims = self._lineages.get(_key(schedule_id, owner))
+        if not claims:
+            return False
+        winner = max(claims, key=lambda token: _rank(token, claims[token]))
+        if lineage == winner or due_us < claims[winner][0]:
+            return False
+        return lineage is None or lineage in claims
+
     def forget(self, now_us: int) -> int:
         """Drop the records no message can meet any more; returns how many."""
         horizon = now_us - self.retention_us
+        lineages = 0
+        for key, claims in list(self._lineages.items()):
+            old = [token for token, (_, at) in claims.items() if at < horizon]
+            for token in old:
+                del claims[token]
+            lineages += len(old)
+            if not claims:
+                del self._lineages[key]
         stale = [key for key, at in self._cancelled.items() if at < horizon]
         for key in stale:
             del self._cancelled[key]
         timed = [key for key, (_, _, _, until) in self._timed.items() if until < now_us]
         for key in timed:
             del self._timed[key]
-        return len(stale) + len(timed)
+        return len(stale) + len(timed) + lineages

@@ -301,6 +301,18 @@ class CancelReader:
         first_offset, first_digest = self._first
         return offset > first_offset or (offset == first_offset and digest == first_digest)
 
+    def claim(
+        self,
+        publisher: Publisher,
+        record: Record,
+        outcome: Callable[[amqp.Outcome, Any], None],
+    ) -> None:
+        """Append a relay's lineage claim (signed), confirmed: ``outcome`` gets the
+        confirm. Raises BrokerConnectionLost (nothing sent)."""
+        publisher.publish(
+            LADDER_LANE, "", self.stream, encode_records([record]), _PERSISTENT, outcome
+        )
+
     def note_parked(
         self, publisher: Publisher, schedule_id: str, kind: str, reason: str | None = None
     ) -> None:

@@ -37,6 +37,7 @@ from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.policies import PROTECT_PRIORITY
 from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
 from hopsched.prepare import due_time_us
+from hopsched.recurring import Rule
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
@@ -320,6 +321,29 @@ def relay(
     "--management-url",
     help="Management API base URL(s) for --check-target [default http://HOST:15672/].",
 )
+@click.option(
+    "--every",
+    callback=_parse_in,
+    help="Recurring: every this long (at least 1s), e.g. 30s, 5m, 1h; first at --start "
+    "[default: one interval from now].",
+)
+@click.option(
+    "--cron",
+    metavar="EXPR",
+    help="Recurring: on a cron expression, e.g. '0 9 * * 1-5' (6 fields: seconds first).",
+)
+@click.option("--tz", metavar="ZONE", help="Time zone of --cron, e.g. Europe/Paris [default UTC].")
+@click.option("--start", callback=_parse_at, help="Recurring: no occurrence before (ISO 8601).")
+@click.option("--until", callback=_parse_at, help="Recurring: no occurrence after (ISO 8601).")
+@click.option(
+    "--count", type=click.IntRange(min=1), help="Recurring: at most this many deliveries."
+)
+@click.option(
+    "--catch-up",
+    type=click.Choice(["latest", "all", "none"]),
+    help="Recurring: occurrences missed while no relay ran: latest (default: the latest once), "
+    "all, none.",
+)
 def schedule(
     url: str | None,
     prefix: str | None,
@@ -341,12 +365,22 @@ def schedule(
     replace: bool,
     check_target: bool,
     management_url: str | None,
+    every: timedelta | None,
+    cron: str | None,
+    tz: str | None,
+    start: datetime | None,
+    until: datetime | None,
+    count: int | None,
+    catch_up: str | None,
 ) -> None:
-    """Schedule one message; prints its schedule id and due time (UTC). Refused (exit 4)
-    on a prefix that has no relay queue: start a relay or run `hopsched declare` first.
-    An --at more than a minute past is delivered at once, with a warning."""
-    if (at is None) == (delay is None):
-        raise click.UsageError("give exactly one of --at and --in")
+    """Schedule one message, or a recurring one (--every or --cron: docs/recurring.md);
+    prints its schedule id and (first) due time (UTC). Refused (exit 4) on a prefix that
+    has no relay queue: start a relay or run `hopsched declare` first. An --at more than
+    a minute past is delivered at once, with a warning."""
+    recurring: dict[str, Any] = {"every": every, "cron": cron, "tz": tz, "start": start}
+    recurring |= {"until": until, "count": count, "catch_up": catch_up}
+    if sum(value is not None for value in (at, delay, every, cron)) != 1:
+        raise click.UsageError("give exactly one of --at, --in, --every and --cron")
     if replace and schedule_id is None:
         raise click.UsageError("--replace needs the --schedule-id of what it replaces")
     if body is not None and body_file is not None:
@@ -400,7 +434,16 @@ def schedule(
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     now = now_us()
     try:  # before connecting: bad input should not declare anything
-        due = due_time_us(at, delay, now)
+        if every is None and cron is None:
+            if any(value is not None for value in recurring.values()):
+                raise InvalidScheduleError(
+                    "--tz, --start, --until, --count and --catch-up are for a recurring "
+                    "schedule: give --every or --cron"
+                )
+            due = due_time_us(at, delay, now)
+        else:
+            rule = Rule.make(now_us=now, **{**recurring, "catch_up": catch_up or "latest"})
+            due = rule.first_us() or now
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
     if at is not None and now - due > _PAST_WARNING_US:
@@ -424,9 +467,11 @@ def schedule(
                 schedule_id=schedule_id,
                 check_target=check_target,
                 replace=replace,
+                **recurring,
             )
         done = "scheduled (replacing any before)" if replace else "scheduled"
-        click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}")
+        what = "" if every is None and cron is None else " (first occurrence; recurring)"
+        click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}{what}")
 
     _run(go())
 
@@ -530,7 +575,9 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
     ]
     if info.size is not None:
         lines.append(f"  size     {info.size} bytes")
-    if info.origin is not None:
+    if info.occurrence:
+        lines.append(f"  recurring, occurrence {info.occurrence} (docs/recurring.md)")
+    if info.origin is not None and info.origin != "recurring":
         lines.append(f"  by       {info.origin}() at {us_to_datetime(info.created_us).isoformat()}")
     for label, when in (
         ("delivered", info.delivered_us),

@@ -14,6 +14,10 @@ through its own code paths.
 ``Decider.after_refusal`` answers a negative confirm on the final publish (a full
 target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
 once the refusals have lasted ``retry_for_us``.
+``Decider.link`` answers a recurring occurrence that is due (``hopsched.recurring``): the
+occurrence to deliver (or none, when missed) and the next one to schedule (or none, the
+chain ended), each signed anew with the key of the schedule. A reschedule does not apply
+to a recurring occurrence: moved, each later one would be moved again.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from hopsched.cancel import CANCEL, Cancellations
+from hopsched.cancel import CANCEL, LINEAGE, Cancellations, Record, lineage_generation
 from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK, Envelope
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.recurring import Rule, plan_link
 from hopsched.signing import Refusal, Signatures
 from hopsched.targets import TargetPolicy
 from hopsched.validate import check_expiration
@@ -41,6 +46,7 @@ __all__ = [
     "WAIT_MAX_US",
     "Cancel",
     "Decider",
+    "Linked",
     "Park",
     "ParkKind",
     "Route",
@@ -97,9 +103,11 @@ class Park:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """Its schedule was cancelled: ack it, publish nothing."""
+    """Its schedule was cancelled (or, ``superseded``, it is a recurring occurrence of a
+    lineage a relay replaced, docs/recurring.md): ack it, publish nothing."""
 
     envelope: Envelope
+    superseded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +128,17 @@ class Wait:
     wait_us: int
     queue: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Linked:
+    """A due recurring occurrence: deliver ``deliver`` (None: nothing, it was missed),
+    then schedule ``next`` (None: the chain ends) by ``plan``. Neither carries the rule
+    any more but ``next``: a retry or a replay of ``deliver`` must not chain again."""
+
+    deliver: Envelope | None
+    next: Envelope | None
+    plan: Hop | Hold | None
 
 
 def returned_early(headers: Mapping[str, Any], now_us: int) -> tuple[str, str, int] | None:
@@ -226,11 +245,13 @@ class Decider:
                 ParkKind.USER_ID,
             )
         if cancellations is not None:
-            verdict = cancellations.verdict(
-                envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
-            )
+            verdict = self.verdict(cancellations, envelope)
             if verdict == CANCEL:
                 return Cancel(envelope)
+            if envelope.rule is not None and cancellations.superseded(
+                envelope.schedule_id, envelope.owner, envelope.due_us, envelope.lineage
+            ):
+                return Cancel(envelope, superseded=True)
             if isinstance(verdict, int):
                 if forged := self._forged(envelope, body):
                     return forged
@@ -269,6 +290,91 @@ class Decider:
                 )
             return Wait(envelope, min(early_us, WAIT_MAX_US), queue, came)
         return Route(envelope, plan)
+
+    def verdict(self, cancellations: Cancellations, envelope: Envelope) -> str | int | None:
+        """``Cancellations.verdict`` for an envelope: ``CANCEL``, a new due time, or None.
+        A recurring occurrence keeps the created time of its schedule, so a cancel ends
+        the chain; a reschedule does not apply to one (None)."""
+        verdict = cancellations.verdict(
+            envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
+        )
+        if isinstance(verdict, int) and envelope.rule is not None:
+            return None
+        return verdict
+
+    def link(
+        self, envelope: Envelope, body: bytes, now_us: int, cancellations: Cancellations
+    ) -> Linked | Cancel | Park:
+        """A recurring occurrence (``envelope.rule`` set, its MAC verified) reached for
+        delivery at ``now_us``: what to deliver and what to schedule next
+        (``recurring.plan_link``); Cancel if a lineage claim superseded it; Park if its
+        rule does not decode."""
+        assert envelope.rule is not None
+        if cancellations.superseded(
+            envelope.schedule_id, envelope.owner, envelope.due_us, envelope.lineage
+        ):
+            return Cancel(envelope, superseded=True)
+        try:
+            rule = Rule.decode(envelope.rule)
+        except InvalidScheduleError as error:
+            return Park(f"malformed envelope: {error}", ParkKind.MALFORMED)
+        occurrence = max(envelope.occurrence, 1)
+        plan = plan_link(rule, envelope.due_us, occurrence - 1, now_us)
+        signatures = self.signatures
+        deliver = None
+        if plan.deliver_us is not None:
+            deliver = signatures.resigned(
+                dataclasses.replace(
+                    envelope, rule=None, due_us=plan.deliver_us, occurrence=occurrence
+                ),
+                body,
+            )
+        if plan.next_us is None:
+            return Linked(deliver, None, None)
+        following = dataclasses.replace(
+            envelope,
+            due_us=plan.next_us,
+            occurrence=occurrence + (deliver is not None),
+            hops=0,
+            retries=0,
+            retry_since_us=None,
+        )
+        hop = self.ladder.plan(now_us=now_us, due_us=plan.next_us)
+        if isinstance(hop, Hop):
+            following = dataclasses.replace(following, hops=1)
+        return Linked(deliver, signatures.resigned(following, body), hop)
+
+    def claim(
+        self,
+        headers: Mapping[str, Any] | None,
+        body: bytes,
+        now_us: int,
+        nonce: str,
+        cancellations: Cancellations,
+    ) -> tuple[Record, Envelope] | Cancel | None:
+        """A recurring occurrence delivered to the relay again (``redelivered``: a relay
+        died or lost its connection holding it, maybe after it scheduled the successor):
+        the lineage claim to write first (signed with the schedule's key) and the envelope
+        to go on with, of the next generation (``GEN.NONCE``). Cancel if it is a copy
+        another lineage replaced already. None if it is no recurring occurrence or does
+        not verify (``decide`` then parks it)."""
+        try:
+            envelope = Envelope.from_headers(headers)
+        except EnvelopeError:
+            return None
+        if envelope.rule is None:
+            return None
+        checked = self.signatures.check_envelope(envelope, body)
+        if isinstance(checked, Refusal):
+            return None
+        if cancellations.superseded(
+            checked.schedule_id, checked.owner, checked.due_us, checked.lineage
+        ):
+            return Cancel(checked, superseded=True)
+        lineage = f"{lineage_generation(checked.lineage) + 1}.{nonce}"
+        claimed = self.signatures.resigned(dataclasses.replace(checked, lineage=lineage), body)
+        record = Record(LINEAGE, checked.schedule_id, now_us, checked.due_us, kind=lineage)
+        return self.signatures.sign_as(record, checked.owner), claimed
 
     def _forged(self, envelope: Envelope, body: bytes) -> Park | None:
         """A Park if the envelope's MAC does not verify (None: it does, or is unsigned)."""

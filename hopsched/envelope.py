@@ -36,6 +36,9 @@ __all__ = [
     "HEADER_HOP_CLOCK",
     "HEADER_HOP_EXPIRES",
     "HEADER_ID",
+    "HEADER_KEY",
+    "HEADER_LINEAGE",
+    "HEADER_OCCURRENCE",
     "HEADER_PARKED_AT",
     "HEADER_PARKED_KIND",
     "HEADER_PARKED_REASON",
@@ -44,6 +47,7 @@ __all__ = [
     "HEADER_RETRIES",
     "HEADER_RETRY_SINCE",
     "HEADER_ROUTING_KEY",
+    "HEADER_RULE",
     "HEADER_SIGNATURE",
     "HEADER_VERSION",
     "PERSISTENT",
@@ -58,11 +62,14 @@ __all__ = [
     "first_hop_properties",
     "hop_headers",
     "hop_properties",
+    "lineage_properties",
+    "next_occurrence_properties",
     "parked_headers",
     "parked_properties",
     "retry_properties",
     "unparked_headers",
     "unparked_properties",
+    "without_rule",
 ]
 
 ENVELOPE_VERSION = 1
@@ -99,6 +106,18 @@ HEADER_PARKED_REASON = "x-hopsched-parked-reason"
 HEADER_PARKED_AT = "x-hopsched-parked-at"  # int, microseconds since the Unix epoch, UTC
 HEADER_PARKED_KIND = "x-hopsched-parked-kind"  # a hopsched.ParkKind value, e.g. "unroutable"
 HEADER_PARKED_USER_ID = "x-hopsched-user-id"  # a parked message's user_id property
+#: A recurring schedule's rule (``hopsched.recurring.Rule.encode``: compact JSON), on each
+#: occurrence in the ladder whose successor is not scheduled yet; never delivered.
+HEADER_RULE = "x-hopsched-rule"
+#: int, a recurring schedule's occurrences delivered so far counting this one (1 for the
+#: first): the relay stops the chain at the rule's ``count``. Delivered.
+HEADER_OCCURRENCE = "x-hopsched-occurrence"
+#: On a delivered occurrence of a recurring schedule only: ``ID@DUE`` (the schedule id and
+#: the occurrence's due time, µs), one key per occurrence to de-duplicate on.
+HEADER_KEY = "x-hopsched-key"
+#: A recurring chain's lineage, set by a relay that claimed one (``hopsched.cancel.LINEAGE``)
+#: for an occurrence delivered to it again; absent on the first lineage. Never delivered.
+HEADER_LINEAGE = "x-hopsched-lineage"
 #: ``KEY-ID:HEX-MAC``: the envelope's HMAC-SHA256 and the id of the key that made it
 #: (``hopsched.signing``); absent when the producer holds no signing key.
 HEADER_SIGNATURE = "x-hopsched-signature"
@@ -138,6 +157,8 @@ _ROUTING_HEADERS = frozenset(
         HEADER_RETRIES,
         HEADER_RETRY_SINCE,
         HEADER_SIGNATURE,
+        HEADER_RULE,
+        HEADER_LINEAGE,
     }
 )
 _PARKED_HEADERS = frozenset(
@@ -165,6 +186,11 @@ class Envelope:
         created_us: when it was scheduled, µs since the epoch by the producer's clock
             (0: not recorded, from a hopsched before cancellation).
         signature: header ``x-hopsched-signature`` (``KEY-ID:HEX-MAC``), None if unsigned.
+        rule: a recurring schedule's rule, encoded (``hopsched.recurring.Rule``), while
+            this occurrence's successor is not scheduled; None otherwise.
+        occurrence: a recurring schedule's occurrences delivered counting this one
+            (1-based); 0 for a one-shot message.
+        lineage: a recurring chain's lineage (``HEADER_LINEAGE``); None for the first.
     """
 
     schedule_id: str
@@ -178,6 +204,9 @@ class Envelope:
     retry_since_us: int | None = None
     created_us: int = 0
     signature: str | None = None
+    rule: str | None = None
+    occurrence: int = 0
+    lineage: str | None = None
 
     @property
     def owner(self) -> str | None:
@@ -210,6 +239,12 @@ class Envelope:
             headers[HEADER_CREATED] = self.created_us
         if self.signature is not None:
             headers[HEADER_SIGNATURE] = self.signature
+        if self.rule is not None:
+            headers[HEADER_RULE] = self.rule
+        if self.occurrence:
+            headers[HEADER_OCCURRENCE] = self.occurrence
+        if self.lineage is not None:
+            headers[HEADER_LINEAGE] = self.lineage
         return headers
 
     @classmethod
@@ -244,10 +279,14 @@ class Envelope:
             retry_since_us=field(HEADER_RETRY_SINCE, int, required=False),
             created_us=field(HEADER_CREATED, int, required=False) or 0,
             signature=field(HEADER_SIGNATURE, str, required=False),
+            rule=field(HEADER_RULE, str, required=False),
+            occurrence=field(HEADER_OCCURRENCE, int, required=False) or 0,
+            lineage=field(HEADER_LINEAGE, str, required=False),
         )
-        if envelope.due_us < 0 or envelope.hops < 0 or envelope.retries < 0:
+        if min(envelope.due_us, envelope.hops, envelope.retries, envelope.occurrence) < 0:
             raise EnvelopeError(
-                f"headers {HEADER_DUE!r}, {HEADER_HOPS!r} and {HEADER_RETRIES!r} must be >= 0",
+                f"headers {HEADER_DUE!r}, {HEADER_HOPS!r}, {HEADER_RETRIES!r} and "
+                f"{HEADER_OCCURRENCE!r} must be >= 0",
                 headers,
             )
         if envelope.due_us > MAX_DUE_US:  # it would hop on the top step for ever
@@ -434,7 +473,8 @@ def first_hop_properties(
     """The caller's properties (and headers, from ``callers_headers``) for
     ``schedule()``'s publish: the envelope in the headers, persistent, no ``expiration``
     (the envelope keeps it for the final publish), and the schedule id as
-    ``message_id`` if the caller set none."""
+    ``message_id`` if the caller set none (not for a recurring schedule: each occurrence
+    gets its own, ``delivery_properties``)."""
     return properties.replace(
         headers=first_hop_headers(
             headers, envelope, hop_expires_us=hop_expires_us, producer=producer
@@ -443,7 +483,8 @@ def first_hop_properties(
         delivery_mode=PERSISTENT,
         # Left unset, AMQP clients fill message_id with a random id; the schedule id is
         # as unique and lets consumers de-duplicate on either.
-        message_id=properties.message_id or envelope.schedule_id,
+        message_id=properties.message_id
+        or (None if envelope.rule is not None else envelope.schedule_id),
     )
 
 
@@ -456,6 +497,45 @@ def hop_properties(properties: Properties, envelope: Envelope, expires_us: int) 
         expiration=None,
         delivery_mode=PERSISTENT,
     )
+
+
+def next_occurrence_properties(
+    properties: Properties, envelope: Envelope, expires_us: int | None
+) -> Properties:
+    """A recurring occurrence's properties for the next one (``envelope``, which carries
+    the rule, the next due time and occurrence number, signed anew): the caller's
+    properties and headers, the broker's bookkeeping and the retry counts gone, stamped
+    with the first hop's expiry by the relay's clock (``expires_us``; None: it goes to
+    the relay queue)."""
+    values = envelope.to_headers()
+    if expires_us is not None:
+        values[HEADER_HOP_EXPIRES] = expires_us
+        values[HEADER_HOP_CLOCK] = RELAY_CLOCK
+    drops = _HOP_DROPS | {HEADER_RETRIES, HEADER_RETRY_SINCE, HEADER_SIGNATURE}
+    return properties.replace(
+        headers=_without(properties.headers, drops).update(values),
+        expiration=None,
+        delivery_mode=PERSISTENT,
+    )
+
+
+def lineage_properties(properties: Properties, envelope: Envelope) -> Properties:
+    """A recurring occurrence's properties once a relay claimed a lineage for it: the
+    lineage and the signature of ``envelope``."""
+    values: dict[str, Any] = {HEADER_LINEAGE: envelope.lineage}
+    if envelope.signature is not None:
+        values[HEADER_SIGNATURE] = envelope.signature
+    return properties.replace(headers=_table(properties.headers).update(values))
+
+
+def without_rule(properties: Properties, envelope: Envelope) -> Properties:
+    """A recurring occurrence's properties once its successor is scheduled: no rule (a
+    retry or a replay of it must not schedule the successor again), and the due time and
+    signature of ``envelope`` (the occurrence it is delivered as)."""
+    values: dict[str, Any] = {HEADER_DUE: envelope.due_us, HEADER_OCCURRENCE: envelope.occurrence}
+    if envelope.signature is not None:
+        values[HEADER_SIGNATURE] = envelope.signature
+    return properties.replace(headers=_without(properties.headers, {HEADER_RULE}).update(values))
 
 
 def retry_properties(
@@ -475,18 +555,27 @@ def retry_properties(
 
 def delivery_properties(properties: Properties, envelope: Envelope) -> Properties:
     """A delivery's properties for the final publish: the caller's headers (plus id, due
-    time and hops), and the caller's own ``expiration`` and delivery mode."""
+    time and hops), and the caller's own ``expiration`` and delivery mode. An occurrence
+    of a recurring schedule also gets its occurrence number and key, and the key as
+    ``message_id`` if the caller set none (one id for every occurrence would make a
+    consumer that de-duplicates on it drop all but the first)."""
     if envelope.delivery_mode is None:
         delivery_mode: int | None = PERSISTENT
     else:
         delivery_mode = envelope.delivery_mode or None  # 0: the caller left it unset
     headers = delivery_headers(properties.headers)
-    if headers.get(HEADER_DUE) != envelope.due_us:  # rescheduled
+    if headers.get(HEADER_DUE) != envelope.due_us:  # rescheduled, or a recurring catch-up
         headers = headers.update({HEADER_DUE: envelope.due_us})
+    message_id = properties.message_id
+    if envelope.occurrence:
+        key = f"{envelope.schedule_id}@{envelope.due_us}"
+        headers = headers.update({HEADER_OCCURRENCE: envelope.occurrence, HEADER_KEY: key})
+        message_id = message_id or key
     return properties.replace(
         headers=headers,
         expiration=envelope.expiration,
         delivery_mode=delivery_mode,
+        message_id=message_id,
     )
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "decode_journal",
     "delivered_record",
     "encode_journal",
+    "next_occurrence_record",
     "parked_record",
     "refresh_step_ms",
     "refreshed_record",
@@ -135,6 +136,9 @@ class JournalRecord:
         origin: a ``SCHEDULED`` record's cause: ``"schedule"``, ``"replace"``,
             ``"reschedule"`` or ``"refresh"`` (a relay wrote it anew, same copy).
         copy: a ``SCHEDULED`` record's copy of the message; None otherwise.
+        occurrence: a recurring schedule's occurrence (1, 2, ...) the record is about;
+            0 for a one-shot message. Its occurrences share one created time, so a copy
+            is its created time and its occurrence.
     """
 
     op: str
@@ -149,6 +153,7 @@ class JournalRecord:
     reason: str | None = None
     origin: str | None = None
     copy: Copy | None = field(default=None, repr=False)
+    occurrence: int = 0
 
 
 def encode_journal(records: Iterable[JournalRecord]) -> bytes:
@@ -164,6 +169,7 @@ def encode_journal(records: Iterable[JournalRecord]) -> bytes:
             ("kid", r.owner),
             ("why", r.reason),
             ("by", r.origin),
+            ("occ", r.occurrence or None),
         ):
             if value is not None:
                 fields[key] = value
@@ -233,7 +239,7 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
         or type(created_us) is not int
     ):
         return None
-    ints = {k: fields.get(k) for k in ("due", "size")}
+    ints = {k: fields.get(k) for k in ("due", "size", "occ")}
     texts = {k: fields.get(k) for k in ("ex", "rk", "kid", "why", "by")}
     if any(v is not None and type(v) is not int for v in ints.values()) or any(
         v is not None and type(v) is not str for v in texts.values()
@@ -256,6 +262,7 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
         texts["why"],
         texts["by"],
         copy,
+        ints["occ"] or 0,
     )
 
 
@@ -273,8 +280,11 @@ class ScheduleInfo:
         exchange, routing_key: its target.
         size: its body's length, bytes (None if no record said).
         owner: the signing key id of its envelope (None: unsigned).
-        origin: how that copy came: ``"schedule"``, ``"replace"``, ``"reschedule"``
-            (None: only a relay's record of it was read).
+        origin: how that copy came: ``"schedule"``, ``"replace"``, ``"reschedule"``,
+            ``"recurring"`` (a relay scheduled this next occurrence) (None: only a
+            relay's refresh record of it was read).
+        occurrence: a recurring schedule's occurrence this is (its next, or its last
+            once the chain ended); 0 for a one-shot schedule.
         delivered_us, parked_us, cancelled_us: when it was delivered (the broker
             confirmed the final publish, relay's clock), parked, or cancelled (the
             cancel's instant); None if not.
@@ -298,6 +308,7 @@ class ScheduleInfo:
     cancelled_us: int | None = None
     parked_reason: str | None = None
     copy: Copy | None = field(default=None, repr=False, compare=False)
+    occurrence: int = 0
 
     @property
     def due(self) -> datetime:
@@ -325,6 +336,7 @@ class ScheduleInfo:
             "parked": when(self.parked_us),
             "parked_reason": self.parked_reason,
             "cancelled": when(self.cancelled_us),
+            "occurrence": self.occurrence or None,
         }
 
 
@@ -348,12 +360,18 @@ def _outcome_rank(record: JournalRecord) -> tuple[int, int, str]:
     return (record.at_us, _OUTCOME_RANK[record.op], record.reason or "")
 
 
-def _copy_rank(record: JournalRecord) -> tuple[int, bool, bool, int, int, str]:
+def _version(record: JournalRecord) -> tuple[int, int]:
+    """Which copy a record is about: its created time, then its occurrence (a recurring
+    schedule's occurrences share the created time; each is newer than the last)."""
+    return (record.created_us, record.occurrence)
+
+
+def _copy_rank(record: JournalRecord) -> tuple[tuple[int, int], bool, bool, int, int, str]:
     """The newest copy first; of one copy's records, one with the message's copy, then
     a producer's (it has the origin), then the latest (then any order, but always the
     same: the fold must not depend on the order it reads in)."""
     return (
-        record.created_us,
+        _version(record),
         record.copy is not None,
         record.origin is not None and record.origin != "refresh",
         record.at_us,
@@ -391,14 +409,15 @@ class JournalFold:
                 entry.cancelled_us = record.at_us
             return
         copy = entry.copy
-        if copy is None or record.created_us > copy.created_us:
+        version = _version(record)
+        if copy is None or version > _version(copy):
             entry.copy = record
-            if entry.outcome is not None and entry.outcome.created_us < record.created_us:
+            if entry.outcome is not None and _version(entry.outcome) < version:
                 entry.outcome = None  # an older copy's outcome
-        elif record.created_us == copy.created_us and _copy_rank(record) > _copy_rank(copy):
+        elif version == _version(copy) and _copy_rank(record) > _copy_rank(copy):
             entry.copy = record
-        current = record.created_us if copy is None else max(copy.created_us, record.created_us)
-        if record.op == SCHEDULED or record.created_us != current:
+        current = version if copy is None else max(_version(copy), version)
+        if record.op == SCHEDULED or version != current:
             return
         outcome = entry.outcome
         if outcome is None or _outcome_rank(record) > _outcome_rank(outcome):
@@ -451,6 +470,7 @@ def _info(schedule_id: str, entry: _Entry, now_us: int, hold_window_us: int) -> 
         cancelled if state == CANCELLED else None,
         reason,
         copy.copy,
+        copy.occurrence,
     )
 
 
@@ -463,6 +483,13 @@ def delivered_record(envelope: Envelope, size: int, at_us: int) -> JournalRecord
 def parked_record(envelope: Envelope, size: int, at_us: int, reason: str) -> JournalRecord:
     """A relay's record that it parked ``envelope``'s message, confirmed at ``at_us``."""
     return _relay_record(PARKED, envelope, size, at_us, reason=reason)
+
+
+def next_occurrence_record(envelope: Envelope, size: int, at_us: int) -> JournalRecord:
+    """A relay's record that it scheduled a recurring schedule's next occurrence
+    (``envelope``; the broker confirmed it at ``at_us``). No copy: the schedule's first
+    record has the message."""
+    return _relay_record(SCHEDULED, envelope, size, at_us, origin="recurring")
 
 
 def refreshed_record(
@@ -498,4 +525,5 @@ def _relay_record(
         reason,
         origin,
         copy,
+        envelope.occurrence,
     )

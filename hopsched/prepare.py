@@ -29,6 +29,7 @@ from hopsched.clock import MAX_DUE_US, datetime_to_us, timedelta_to_us
 from hopsched.envelope import PERSISTENT, Envelope, callers_headers, first_hop_properties
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.recurring import Rule
 from hopsched.targets import TargetPolicy
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology
 from hopsched.validate import check_expiration, check_headers, shorten
@@ -87,6 +88,8 @@ class ScheduleRequest:
     delay: timedelta | float | None = None
     exchange: str = ""
     schedule_id: str | None = None
+    #: A recurring schedule's rule (``hopsched.recurring.Rule``), instead of at/delay.
+    rule: Rule | None = None
 
 
 @dataclass(slots=True)
@@ -201,7 +204,18 @@ def check_request(
         raise InvalidScheduleError(
             f"{shorten(request)}: must be a ScheduleRequest(message, routing_key, ...)"
         )
-    due_us = due_time_us(request.at, request.delay, now_us)
+    rule = request.rule
+    if rule is None:
+        due_us = due_time_us(request.at, request.delay, now_us)
+    elif request.at is not None or request.delay is not None:
+        raise InvalidScheduleError(
+            "a recurring schedule (every= or cron=) takes start= for its first occurrence, "
+            "not at= or delay="
+        )
+    else:
+        first = rule.first_us()
+        assert first is not None  # Rule.make refuses a rule without one
+        due_us = first
     exchange, routing_key = request.exchange, request.routing_key
     _check_target(exchange, routing_key, targets)
     schedule_id = check_schedule_id(request.schedule_id)
@@ -236,6 +250,8 @@ def check_request(
         hops=1 if isinstance(plan, Hop) else 0,
         expiration=check_expiration(callers.expiration),
         delivery_mode=None if callers.delivery_mode == PERSISTENT else callers.delivery_mode or 0,
+        rule=None if rule is None else rule.encode(),
+        occurrence=0 if rule is None else 1,
     )
     return Checked(body, callers, headers, envelope, *_first_publish(plan, now_us, topology))
 

@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +33,18 @@ from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
-from hopsched.decide import Cancel, Decider, Park, ParkKind, Wait
+from hopsched.decide import Cancel, Decider, Linked, Park, ParkKind, Wait
 from hopsched.detours import HOP_NACK_WAITS_S, Detours, Outcome
-from hopsched.envelope import Envelope, delivery_properties, hop_properties, retry_properties
+from hopsched.envelope import (
+    HEADER_RULE,
+    Envelope,
+    delivery_properties,
+    hop_properties,
+    lineage_properties,
+    next_occurrence_properties,
+    retry_properties,
+    without_rule,
+)
 from hopsched.errors import (
     AccessRefusedError,
     BrokerConnectionLost,
@@ -44,9 +54,14 @@ from hopsched.errors import (
 )
 from hopsched.holds import Holds
 from hopsched.hop_timing import HopTiming
-from hopsched.journal import delivered_record, refresh_step_ms, refreshed_record
+from hopsched.journal import (
+    delivered_record,
+    next_occurrence_record,
+    refresh_step_ms,
+    refreshed_record,
+)
 from hopsched.journal_io import JournalWriter
-from hopsched.ladder import US_PER_MS, AvoidedSteps, Hop
+from hopsched.ladder import US_PER_MS, AvoidedSteps, Hold, Hop
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
@@ -54,6 +69,7 @@ from hopsched.settings import Settings
 from hopsched.stats import RelayStats
 from hopsched.topology import (
     CANCEL_RETENTION_US,
+    DEAD_LETTER_ROUTING_KEY,
     RELAY_CONSUMER_ARGUMENTS,
     Topology,
     declare_topology,
@@ -578,6 +594,9 @@ class _Session:
         headers: Mapping[str, Any] = properties.headers or {}
         if not nacks and not again:
             self.relay.hop_timing.measure(headers, now)
+            if delivery.redelivered and HEADER_RULE in headers:
+                self._claim(delivery, headers, now)
+                return
         ladder = self.relay.ladder
         decision = self.relay.decider.decide(
             headers,
@@ -599,8 +618,11 @@ class _Session:
         elif isinstance(decision, Park):
             self.detours.park(delivery, decision)
         elif isinstance(decision, Cancel):
-            self.stats.record_cancelled()
-            self.acker.done(delivery.delivery_tag)
+            if decision.superseded:
+                self._superseded(decision.envelope, delivery.delivery_tag)
+            else:
+                self.stats.record_cancelled()
+                self.acker.done(delivery.delivery_tag)
         else:
             envelope = decision.envelope
             if envelope.owner is None and self.relay.decider.signatures.enabled:
@@ -632,12 +654,7 @@ class _Session:
         """A record came for a held message: cancelled, it is acked now; rescheduled
         earlier, it is held again for the new time (rescheduled later, its release finds
         the new time and routes it again)."""
-        verdict = self.relay.cancellations.verdict(
-            final.envelope.schedule_id,
-            final.envelope.created_us,
-            final.envelope.due_us,
-            final.envelope.owner,
-        )
+        verdict = self.relay.decider.verdict(self.relay.cancellations, final.envelope)
         if verdict == CANCEL:
             self._release(final)
         elif isinstance(verdict, int) and verdict < final.envelope.due_us:
@@ -655,9 +672,7 @@ class _Session:
             held.remove(final)
             if not held:
                 del self.held_by_id[envelope.schedule_id]
-        verdict = self.relay.cancellations.verdict(
-            envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
-        )
+        verdict = self.relay.decider.verdict(self.relay.cancellations, envelope)
         if verdict is None:
             self._deliver(final)
         elif verdict == CANCEL:
@@ -743,8 +758,12 @@ class _Session:
 
     def _deliver(self, final: _Final) -> None:
         """Publish to its target; ack once confirmed. A target that refuses it gets it
-        again after a back-off hop (``Decider.after_refusal``), until it is parked."""
+        again after a back-off hop (``Decider.after_refusal``), until it is parked. A
+        recurring occurrence schedules its successor first (``_link``)."""
         delivery, envelope, arrived = final.delivery, final.envelope, final.arrived_us
+        if envelope.rule is not None:
+            self._link(final)
+            return
         target = f"exchange {envelope.exchange!r} routing key {envelope.routing_key!r}"
 
         def delivered(outcome: amqp.Outcome, detail: Any) -> None:
@@ -782,6 +801,122 @@ class _Session:
             final.properties,
             delivered,
         )
+
+    # --- recurring schedules (docs/recurring.md) ------------------------------------
+
+    def _link(self, final: _Final) -> None:
+        """A recurring occurrence is due: schedule the next one (confirmed), then deliver
+        this one without its rule (``Decider.link``). Acked once the delivery is done: a
+        crash before repeats both, at most a duplicate. A next occurrence the broker
+        refuses parks this one with its rule: its replay goes on."""
+        delivery, tag = final.delivery, final.delivery.delivery_tag
+        original = delivery.properties
+        assert original is not None
+        now = self.clock()
+        linked = self.relay.decider.link(
+            final.envelope, delivery.body, now, self.relay.cancellations
+        )
+        if isinstance(linked, Park):
+            self.detours.park(delivery, linked)
+            return
+        if isinstance(linked, Cancel):  # a copy of a lineage replaced
+            self._superseded(linked.envelope, tag)
+            return
+
+        def deliver(linked: Linked = linked) -> None:
+            if linked.deliver is None:  # missed, under catch_up="none"
+                self.stats.missed += 1
+                self.acker.done(tag)
+                return
+            delivery.properties = without_rule(original, linked.deliver)
+            try:
+                this = _Final(delivery, linked.deliver, final.arrived_us)
+            except (ValueError, TypeError) as error:
+                park = Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE)
+                self.detours.park(delivery, park)
+                return
+            self._deliver(this)
+
+        if linked.next is None:  # the chain ends (until, count)
+            deliver()
+            return
+        if isinstance(linked.plan, Hop):
+            expires: int | None = now + linked.plan.step_ms * US_PER_MS
+            exchange = ""
+            queue = routing_key = self.topology.step_queue(linked.plan.step_ms)
+        else:
+            assert isinstance(linked.plan, Hold)
+            expires, exchange = None, self.topology.expired_exchange
+            routing_key, queue = DEAD_LETTER_ROUTING_KEY, self.topology.relay_queue
+        try:
+            encoded = next_occurrence_properties(original, linked.next, expires).encode()
+        except (ValueError, TypeError) as error:
+            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            return
+
+        def scheduled(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is amqp.Outcome.ACK:
+                self.stats.links += 1
+                assert linked.next is not None
+                record = next_occurrence_record(linked.next, len(delivery.body), self.clock())
+                self.journal.add(record)
+                deliver()
+            else:
+                self.detours.not_published(delivery, f"next occurrence to {queue}", outcome, detail)
+
+        self._publish(LADDER_LANE, exchange, routing_key, delivery, encoded, scheduled)
+
+    def _claim(self, delivery: amqp.Delivery, headers: Mapping[str, Any], now: int) -> None:
+        """A recurring occurrence delivered again: its successor may exist already (a relay
+        scheduled it, then died before its ack). Write a new lineage claim to the cancel
+        stream, confirmed, then route it as that lineage: copies of lineages it replaced
+        are dropped where they meet a relay (docs/recurring.md, "Never forked")."""
+        cancellations = self.relay.cancellations
+        claim = self.relay.decider.claim(
+            headers, delivery.body, now, uuid.uuid4().hex[:12], cancellations
+        )
+        if claim is None:
+            self._route(delivery, again=True)  # decide parks what does not verify
+            return
+        if isinstance(claim, Cancel):
+            self._superseded(claim.envelope, delivery.delivery_tag)
+            return
+        record, envelope = claim
+        assert delivery.properties is not None
+        properties = lineage_properties(delivery.properties, envelope)
+
+        def claimed(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is amqp.Outcome.ACK:
+                self.stats.lineages += 1
+                cancellations.apply(record)  # in the stream: no need to wait to read it
+                delivery.properties = properties
+                self._route(delivery, again=True)
+            elif not isinstance(detail, BrokerConnectionLost):
+                log.warning(
+                    "could not write a lineage claim for recurring schedule %s (%s %s); "
+                    "relaying it without: its chain may run twice from here",
+                    envelope.schedule_id,
+                    outcome.value,
+                    detail or "",
+                )
+                self._route(delivery, again=True)
+
+        with contextlib.suppress(BrokerConnectionLost):  # unacked: delivered again
+            self.relay.cancel_reader.claim(
+                self.publisher, record, self.detours.guarded(delivery, claimed)
+            )
+
+    def _superseded(self, envelope: Envelope, tag: int) -> None:
+        """Drop a copy of a recurring occurrence whose lineage another one replaced."""
+        self.stats.superseded += 1
+        log.info(
+            "dropped a copy of recurring schedule %s (due %d, lineage %s): another lineage "
+            "goes on (docs/recurring.md)",
+            envelope.schedule_id,
+            envelope.due_us,
+            envelope.lineage,
+        )
+        self.acker.done(tag)
 
 
 def _held_size(delivery: amqp.Delivery) -> int:

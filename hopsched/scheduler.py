@@ -61,6 +61,7 @@ from hopsched.prepare import (
     reroute,
 )
 from hopsched.publisher import LADDER_LANE, Publisher
+from hopsched.recurring import Rule
 from hopsched.routes import check_route
 from hopsched.settings import Settings
 from hopsched.signing import Refusal
@@ -319,8 +320,16 @@ class Scheduler:
         declare: bool = False,
         check_target: bool = False,
         replace: bool = False,
+        every: timedelta | float | None = None,
+        cron: str | None = None,
+        tz: str | None = None,
+        start: datetime | None = None,
+        until: datetime | None = None,
+        count: int | None = None,
+        catch_up: str | None = None,
     ) -> Scheduled:
-        """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after ``delay``.
+        """Deliver ``message`` to ``exchange`` with ``routing_key`` at ``at`` or after
+        ``delay``, or again and again: ``every`` interval or on ``cron`` in ``tz``.
 
         Args:
             message: an ``aio_pika.Message`` (body, every property and header are
@@ -347,13 +356,33 @@ class Scheduler:
                 record for the older ones (``{prefix}.cancelled``): a crash in between
                 leaves a duplicate, never nothing. An older copy due within
                 ``CANCEL_LEAD_S`` of the call may be delivered still.
+            every: a recurring schedule: every this long (a timedelta or seconds, at least
+                1 s), from ``start`` (default: one interval from now).
+            cron: or on a cron expression (``"0 9 * * 1-5"``; six fields: seconds first),
+                read in time zone ``tz`` (an IANA name, default UTC; the DST gap and fold
+                as ``hopsched.recurring`` says), from ``start`` (default now).
+            start, until: aware datetimes: no occurrence before ``start``, none after
+                ``until`` (default: no end).
+            count: at most this many occurrences are delivered.
+            catch_up: what occurrences missed while no relay ran become: ``"latest"``
+                (default: the latest is delivered once), ``"all"``, ``"none"``
+                (``hopsched.recurring.CatchUp``).
+
+        A recurring schedule is one message in the broker at a time: when an occurrence
+        is due the relay delivers it and schedules the next (docs/recurring.md). Each
+        occurrence is delivered with ``x-hopsched-id`` (``schedule_id``, the same for all),
+        ``x-hopsched-due`` (its own due time), ``x-hopsched-occurrence`` (1, 2, ...) and
+        ``x-hopsched-key`` (``ID@DUE``, to de-duplicate per occurrence). ``cancel(id)``
+        ends it; ``reschedule`` does not apply to it (cancel it and schedule it anew, or
+        schedule it anew with ``replace=True``).
 
         Returns:
-            ``Scheduled`` with the schedule id and the due time, once the broker has
-            confirmed the message (it is then safe from a crash of this process) and
-            its record in the journal ``{prefix}.journal`` was written (a journal write
-            that fails is logged and counted in ``journal_failures``, not raised: the
-            message is scheduled all the same).
+            ``Scheduled`` with the schedule id and the due time (a recurring schedule's
+            first occurrence), once the broker has confirmed the message (it is then
+            safe from a crash of this process) and its record in the journal
+            ``{prefix}.journal`` was written (a journal write that fails is logged and
+            counted in ``journal_failures``, not raised: the message is scheduled all
+            the same).
 
         Raises:
             InvalidScheduleError: (a ValueError; nothing was sent) naive datetime,
@@ -381,8 +410,25 @@ class Scheduler:
         """
         if replace and schedule_id is None:
             raise InvalidScheduleError("replace=True needs the schedule_id of what it replaces")
+        rule = None
+        if every is not None or cron is not None:
+            rule = Rule.make(
+                now_us=self._clock(),
+                every=every,
+                cron=cron,
+                tz=tz,
+                start=start,
+                until=until,
+                count=count,
+                catch_up=catch_up or "latest",
+            )
+        elif (tz, start, until, count, catch_up) != (None,) * 5:
+            raise InvalidScheduleError(
+                "tz=, start=, until=, count= and catch_up= are for a recurring schedule: "
+                "give every= or cron= too"
+            )
         checked = self._check(
-            ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id)
+            ScheduleRequest(message, routing_key, at, delay, exchange, schedule_id, rule)
         )
         if declare and not self._declared:
             await self._declare_topology(create=True)
@@ -422,6 +468,7 @@ class Scheduler:
                     envelope.owner,
                     origin=origin,
                     copy=Copy(prepared.properties, prepared.body),
+                    occurrence=envelope.occurrence,
                 )
             )
         journaled = asyncio.ensure_future(self._write_journal(records))
@@ -627,6 +674,8 @@ class Scheduler:
             cancelled or parked: ``get()`` says which), and nothing was changed.
 
         Raises:
+            InvalidScheduleError: the id is a recurring schedule's (cancel it, or
+                schedule it anew with ``replace=True``).
             As ``schedule()``; and as ``get()`` for reading the journal.
         """
         now = self._clock()
@@ -635,6 +684,12 @@ class Scheduler:
         info = await self._info(schedule_id, copies=True)
         if info is None or info.state not in (PENDING, HELD):
             return None
+        if info.occurrence:
+            raise InvalidScheduleError(
+                f"{schedule_id!r} is a recurring schedule: its occurrences follow its rule, "
+                "and reschedule() would move one of them only. Cancel it and schedule it "
+                "anew, or schedule it anew with replace=True"
+            )
         if info.copy is None:  # only a relay's record of it (a hopsched before the journal)
             await self._write_records([Record(RESCHEDULE, schedule_id, now, due_us)])
             return Scheduled(schedule_id, due_us, self.topology.cancel_stream)

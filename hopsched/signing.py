@@ -162,7 +162,9 @@ def canonical(domain: bytes, *fields: str | int | bytes | None) -> bytes:
 def envelope_bytes(prefix: str, key_id: str, envelope: Envelope, body: bytes) -> bytes:
     """What an envelope's MAC covers (docs/security.md, "Canonical bytes"): ``canonical``
     of the domain, key id, prefix, schedule id, created and due times, exchange, routing
-    key, expiration and the body's SHA-256."""
+    key, expiration and the body's SHA-256; then, for an occurrence of a recurring
+    schedule only, its rule (empty once its successor is scheduled), occurrence number and
+    lineage (empty for the first)."""
     return canonical(ENVELOPE_DOMAIN, key_id, prefix) + _envelope_fields(envelope, body)
 
 
@@ -173,6 +175,18 @@ def _envelope_fields(envelope: Envelope, body: bytes) -> bytes:
     created, due = b"%d" % envelope.created_us, b"%d" % envelope.due_us
     exchange, routing_key = envelope.exchange.encode(), envelope.routing_key.encode()
     expiration = b"" if envelope.expiration is None else envelope.expiration.encode()
+    recurring = b""
+    if envelope.rule is not None or envelope.occurrence:  # absent from one-shot envelopes
+        rule = (envelope.rule or "").encode()
+        occurrence = b"%d" % envelope.occurrence
+        lineage = (envelope.lineage or "").encode()
+        recurring = (
+            b"".join(
+                (_LENGTH(len(rule)), rule, _LENGTH(len(occurrence)), occurrence),
+            )
+            + _LENGTH(len(lineage))
+            + lineage
+        )
     return b"".join(
         (
             _LENGTH(len(schedule_id)), schedule_id,
@@ -183,7 +197,7 @@ def _envelope_fields(envelope: Envelope, body: bytes) -> bytes:
             _LENGTH(len(expiration)), expiration,
             _DIGEST_LENGTH, hashlib.sha256(body).digest(),
         )
-    )  # fmt: skip
+    ) + recurring  # fmt: skip
 
 
 def record_bytes(prefix: str, key_id: str, record: Record) -> bytes:
@@ -343,6 +357,16 @@ class Signatures:
             for record in records
             for key in self.keys
         ]
+
+    def sign_as(self, record: Record, key_id: str | None) -> Record:
+        """``record`` signed with the key ``key_id`` alone (a relay's lineage claim, with
+        the key of the schedule it is about); unchanged for None (unsigned)."""
+        if key_id is None or not self.keys:
+            return record
+        key = self._by_id[key_id]
+        return dataclasses.replace(
+            record, key_id=key_id, mac=mac(key, record_bytes(self.prefix, key_id, record))
+        )
 
     def sign_notice(self, record: Record) -> Record:
         """A relay's own record (a notice) signed with the first key alone."""

@@ -175,6 +175,10 @@ class RelayStats:
             the relay tried again after a back-off.
         returned_early: hops a step returned early enough to come straight back if
             hopped again (``hopsched.decide.returned_early``), which waited instead.
+        links: next occurrences of recurring schedules scheduled (confirmed).
+        missed: recurring occurrences not delivered, missed under ``catch_up="none"``.
+        lineages: lineage claims written for recurring occurrences delivered again.
+        superseded: copies of recurring occurrences dropped: a lineage claim replaced them.
         policy_risks: findings of the policies in force, per ``hopsched.policies.Risk``
             value (``loss``, ``stall``, ``hops``), now (set by ``PolicyWatch``).
         policy_unchecked: 1 while the relay cannot read the policies in force (no
@@ -205,6 +209,10 @@ class RelayStats:
     reconnects: int = 0
     hop_nacks: int = 0
     returned_early: int = 0
+    links: int = 0
+    missed: int = 0
+    lineages: int = 0
+    superseded: int = 0
     policy_risks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_RISKS, 0))
     policy_unchecked: int = 0
     parked_by_kind: dict[ParkKind, int] = field(default_factory=lambda: dict.fromkeys(ParkKind, 0))
@@ -305,6 +313,12 @@ class RelayStats:
             f"since start: delivered={totals.delivered} hops={totals.hops} "
             f"parked={totals.parked} reconnects={totals.reconnects} "
             f"hop_nacks={totals.hop_nacks} returned_early={totals.returned_early}"
+            + (
+                f" recurring links={totals.links} missed={totals.missed} "
+                f"lineages={totals.lineages} superseded={totals.superseded}"
+                if totals.links
+                else ""
+            )
         ]
         lines += [
             f"{count} messages for {target}: {problem}"
