@@ -52,9 +52,9 @@ def raw(**values: Any) -> RawMessage:
     return RawMessage(properties)
 
 
-def prepare(message: aio_pika.abc.AbstractMessage | bytes) -> bytes:
-    checked = check_request(
-        ScheduleRequest(message, "q", delay=1),
+def check(request: ScheduleRequest) -> Any:
+    return check_request(
+        request,
         now_us=NOW_US,
         ladder=SETTINGS.ladder,
         topology=TOPOLOGY,
@@ -62,7 +62,10 @@ def prepare(message: aio_pika.abc.AbstractMessage | bytes) -> bytes:
         login=SETTINGS.login,
         frame_max=131_072,
     )
-    return encode_properties(checked, "host/1")
+
+
+def prepare(message: aio_pika.abc.AbstractMessage | bytes) -> bytes:
+    return encode_properties(check(ScheduleRequest(message, "q", delay=1)), "host/1")
 
 
 AWARE_1970 = datetime(1970, 1, 1, tzinfo=UTC)
@@ -149,25 +152,9 @@ def test_every_short_string_property_over_255_bytes_is_refused(name: str) -> Non
 def test_what_is_not_a_schedule_request_or_routes_nowhere_is_refused() -> None:
     for request in (b"x", None, ("m", "q")):
         with pytest.raises(hopsched.InvalidScheduleError, match="must be a ScheduleRequest"):
-            check_request(
-                request,  # type: ignore[arg-type]
-                now_us=NOW_US,
-                ladder=SETTINGS.ladder,
-                topology=TOPOLOGY,
-                targets=SETTINGS.target_policy,
-                login=SETTINGS.login,
-                frame_max=131_072,
-            )
+            check(request)  # type: ignore[arg-type]
     with pytest.raises(hopsched.InvalidScheduleError, match="no queue is named ''"):
-        check_request(
-            ScheduleRequest(b"x", "", delay=1),
-            now_us=NOW_US,
-            ladder=SETTINGS.ladder,
-            topology=TOPOLOGY,
-            targets=SETTINGS.target_policy,
-            login=SETTINGS.login,
-            frame_max=131_072,
-        )
+        check(ScheduleRequest(b"x", "", delay=1))
 
 
 async def test_the_schedulers_many_calls_refuse_what_is_not_a_list_before_connecting() -> None:
