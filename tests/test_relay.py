@@ -461,15 +461,15 @@ async def test_hops_carry_their_expiry_and_the_relay_measures_overshoot(
     make_settings: Any, relays: Relays, targets: Targets
 ) -> None:
     """Each hop says when its TTL runs out; the relay measures how late the hops it made
-    came back (a 1 s hold window and 8 s: the scheduler's 4.096 s hop, then the relay's
-    2.048 and 1.024 s), and the target never sees that header."""
-    settings = make_settings(hold_window_ms=1000)
+    came back (a 0.5 s hold window and 4 s: the scheduler's 2.048 s hop, then the relay's
+    1.024 and 0.512 s), and the target never sees that header."""
+    settings = make_settings(hold_window_ms=500)
     relay = await relays.start(settings)
     async with hopsched.Scheduler(settings) as scheduler:
         target = await targets.queue()
         scheduled = await schedule_all(
             scheduler,
-            [{"message": b"hop", "delay": 8.0, "routing_key": target.name} for _ in range(20)],
+            [{"message": b"hop", "delay": 4.0, "routing_key": target.name} for _ in range(20)],
         )
     await target.wait_for_ids({s.schedule_id for s in scheduled}, within=30)
     target.assert_never_early()
