@@ -162,7 +162,7 @@ async def test_a_reschedule_later_holds_the_message_until_the_new_time(
     ("delay_s", "new_delay_s"),
     [
         (3.0, 1.0),  # held by the relay
-        (12.0, 2.0),  # on an 8.192 s hop: a new copy, the old one cancelled (F37)
+        (8.0, 2.0),  # on a 4.096 s hop: a new copy, the old one cancelled (F37)
     ],
 )
 async def test_a_reschedule_earlier_is_delivered_at_the_new_time(
