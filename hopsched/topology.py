@@ -83,6 +83,13 @@ CANCEL_RETENTION_US = MAX_STEP_MS * 1000 + 86_400_000_000
 #: two refresh steps: about 51.3 days) and a day. RabbitMQ drops a stream's records a
 #: whole segment at a time, once all of the segment is older (at least this long).
 JOURNAL_RETENTION_US = retention_bound_us(MAX_STEP_MS) + 86_400_000_000
+#: The journal's size at most, bytes (``x-max-length-bytes``), in segments of
+#: ``JOURNAL_SEGMENT_BYTES`` (``x-stream-max-segment-size-bytes``; RabbitMQ's default is
+#: 500 MB): a high rate of short delays must not fill the broker's disk within the
+#: retention, which would raise its disk alarm and block every publisher. Past it the
+#: oldest segment goes: records of long-pending schedules may go with it (docs/design.md).
+JOURNAL_MAX_BYTES = 10 * 2**30
+JOURNAL_SEGMENT_BYTES = 100 * 2**20
 #: Quorum step and relay queues are declared with ``x-queue-leader-locator=balanced``
 #: (RabbitMQ >= 3.10): each new queue's leader goes to the node with the fewest
 #: leaders, so a ladder's queues spread over a cluster instead of all leading on the
@@ -363,6 +370,8 @@ class Topology:
         queues[self.journal_stream] = {
             "x-queue-type": "stream",
             "x-max-age": f"{JOURNAL_RETENTION_US // 1_000_000}s",
+            "x-max-length-bytes": JOURNAL_MAX_BYTES,
+            "x-stream-max-segment-size-bytes": JOURNAL_SEGMENT_BYTES,
         }
         return queues
 
