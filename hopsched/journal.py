@@ -27,7 +27,7 @@ depend on the order the records are read in: every choice is a maximum over a to
 order (``tests/test_journal.py`` checks it with hypothesis).
 
 Body layout of one stream message (version 1): ``b"HJ1\\n"``, then per record a 4-byte
-big-endian length and that many bytes of UTF-8 JSON (the record's fields), and when
+big-endian length and that many bytes of JSON (ASCII; the record's fields), and when
 the JSON says ``"copy": true`` two more length-prefixed parts: the encoded properties
 and the body. A reader skips records it cannot read (a newer hopsched's, noise).
 """
@@ -78,6 +78,9 @@ PENDING, HELD = "pending", "held"
 STATES = (PENDING, HELD, DELIVERED, CANCELLED, PARKED)
 MAGIC = b"HJ1\n"
 _LENGTH = struct.Struct(">I")
+#: A str as an ASCII JSON string (the json module's C encoder): a name a broker passed
+#: with bytes that are not UTF-8 (kept as lone surrogates) reads back as it was.
+_string = json.encoder.encode_basestring_ascii
 #: A relay writes a message's ``scheduled`` record anew when it hops it on a step of this
 #: TTL or more (2^26 ms, about 18.6 h), or on the top step if that is smaller
 #: (``refresh_step_ms``): see ``retention_bound_us``.
@@ -116,9 +119,9 @@ class Copy:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a relay makes one per delivery (half the cost)
 class JournalRecord:
-    """One record of the journal.
+    """One record of the journal (treat it as read-only).
 
     Attributes:
         op: ``SCHEDULED``, ``DELIVERED``, ``PARKED``, ``CANCELLED`` or a reader's
@@ -152,28 +155,38 @@ class JournalRecord:
 
 
 def encode_journal(records: Iterable[JournalRecord]) -> bytes:
-    """Records as one stream message's body (the layout in the module's doc)."""
+    """Records as one stream message's body (the layout in the module's doc).
+
+    The JSON is built by hand (a relay encodes one per delivery): keys in a fixed order,
+    strings escaped by the json module's own encoder (ASCII), unset fields left out.
+    """
     parts = [MAGIC]
     for r in records:
-        fields: dict[str, Any] = {"op": r.op, "id": r.schedule_id, "at": r.at_us, "c": r.created_us}
-        for key, value in (
-            ("due", r.due_us),
-            ("ex", r.exchange),
-            ("rk", r.routing_key),
-            ("size", r.size),
-            ("kid", r.owner),
-            ("why", r.reason),
-            ("by", r.origin),
+        meta = [
+            '{"op":', _string(r.op), ',"id":', _string(r.schedule_id),
+            ',"at":', str(r.at_us), ',"c":', str(r.created_us),
+        ]  # fmt: skip
+        if r.due_us is not None:
+            meta += (',"due":', str(r.due_us))
+        for key, text in (
+            (',"ex":', r.exchange),
+            (',"rk":', r.routing_key),
+            (',"kid":', r.owner),
+            (',"why":', r.reason),
+            (',"by":', r.origin),
         ):
-            if value is not None:
-                fields[key] = value
+            if text is not None:
+                meta += (key, _string(text))
+        if r.size is not None:
+            meta += (',"size":', str(r.size))
         if r.copy is not None:
-            fields["copy"] = True
-        meta = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
-        parts += [_LENGTH.pack(len(meta)), meta]
+            meta.append(',"copy":true')
+        meta.append("}")
+        encoded = "".join(meta).encode("ascii")
+        parts += (_LENGTH.pack(len(encoded)), encoded)
         if r.copy is not None:
-            parts += [_LENGTH.pack(len(r.copy.properties)), r.copy.properties]
-            parts += [_LENGTH.pack(len(r.copy.body)), r.copy.body]
+            parts += (_LENGTH.pack(len(r.copy.properties)), r.copy.properties)
+            parts += (_LENGTH.pack(len(r.copy.body)), r.copy.body)
     return b"".join(parts)
 
 
