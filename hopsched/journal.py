@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -72,6 +73,8 @@ SCHEDULED, DELIVERED, PARKED, CANCELLED = "scheduled", "delivered", "parked", "c
 #: A reader's own record, written and read back to know it has read every record before.
 MARKER = "marker"
 _OPS = frozenset({SCHEDULED, DELIVERED, PARKED, CANCELLED, MARKER})
+#: The records about one copy of a message: they say its due time and target.
+_COPY_OPS = frozenset({SCHEDULED, DELIVERED, PARKED})
 #: ``ScheduleInfo.state`` values. ``held``: pending, and due within the hold window (a
 #: relay holds it in-process, or will once its last hop returns).
 PENDING, HELD = "pending", "held"
@@ -81,6 +84,7 @@ _LENGTH = struct.Struct(">I")
 #: A str as an ASCII JSON string (the json module's C encoder): a name a broker passed
 #: with bytes that are not UTF-8 (kept as lone surrogates) reads back as it was.
 _string = json.encoder.encode_basestring_ascii
+_loads = json.JSONDecoder().decode
 #: A relay writes a message's ``scheduled`` record anew when it hops it on a step of this
 #: TTL or more (2^26 ms, about 18.6 h), or on the top step if that is smaller
 #: (``refresh_step_ms``): see ``retention_bound_us``.
@@ -213,7 +217,7 @@ def decode_journal(
     while offset < end:
         try:
             meta, offset = _part(view, offset, end)
-            fields = json.loads(bytes(meta))
+            fields = _loads(str(meta, "utf-8"))
             copy = None
             if type(fields) is dict and fields.get("copy") is True:
                 properties, offset = _part(view, offset, end)
@@ -238,7 +242,8 @@ def _part(view: memoryview, offset: int, end: int) -> tuple[memoryview, int]:
 
 
 def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
-    op, schedule_id, at_us, created_us = (fields.get(k) for k in ("op", "id", "at", "c"))
+    get = fields.get
+    op, schedule_id, at_us, created_us = get("op"), get("id"), get("at"), get("c")
     if (
         op not in _OPS
         or type(schedule_id) is not str
@@ -246,28 +251,32 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
         or type(created_us) is not int
     ):
         return None
-    ints = {k: fields.get(k) for k in ("due", "size")}
-    texts = {k: fields.get(k) for k in ("ex", "rk", "kid", "why", "by")}
-    if any(v is not None and type(v) is not int for v in ints.values()) or any(
-        v is not None and type(v) is not str for v in texts.values()
-    ):
+    due, size = get("due"), get("size")
+    if (due is not None and type(due) is not int) or (size is not None and type(size) is not int):
         return None
-    if op in (SCHEDULED, DELIVERED, PARKED) and (
-        ints["due"] is None or texts["ex"] is None or texts["rk"] is None
-    ):
+    texts = get("ex"), get("rk"), get("kid"), get("why"), get("by")
+    for text in texts:
+        if text is not None and type(text) is not str:
+            return None
+    exchange, routing_key, owner, reason, origin = texts
+    if routing_key is not None:  # a listing holds one per id: the few targets once each
+        routing_key = sys.intern(routing_key)
+    if exchange is not None:
+        exchange = sys.intern(exchange)
+    if op in _COPY_OPS and (due is None or exchange is None or routing_key is None):
         return None
     return JournalRecord(
         op,
         schedule_id,
         at_us,
         created_us,
-        ints["due"],
-        texts["ex"],
-        texts["rk"],
-        ints["size"],
-        texts["kid"],
-        texts["why"],
-        texts["by"],
+        due,
+        exchange,
+        routing_key,
+        size,
+        owner,
+        reason,
+        origin,
         copy,
     )
 
@@ -424,6 +433,25 @@ class JournalFold:
         if entry is None or entry.copy is None:
             return None
         return _info(schedule_id, entry, now_us, hold_window_us)
+
+    def pending(
+        self, due_before_us: int | None = None, routing_key: str | None = None
+    ) -> list[tuple[int, str]]:
+        """(due time µs, id) of every pending (or held) schedule, due before
+        ``due_before_us`` and with ``routing_key`` if given, in due order (then by id)."""
+        found = []
+        for schedule_id, entry in self._entries.items():
+            copy = entry.copy
+            if copy is None or entry.outcome is not None or copy.due_us is None:
+                continue
+            if entry.cancelled_us is not None and entry.cancelled_us >= copy.created_us:
+                continue
+            if due_before_us is not None and copy.due_us >= due_before_us:
+                continue
+            if routing_key is None or copy.routing_key == routing_key:
+                found.append((copy.due_us, schedule_id))
+        found.sort()
+        return found
 
     def infos(self, now_us: int, hold_window_us: int) -> Iterator[ScheduleInfo]:
         """Every known id's ``ScheduleInfo``, in no particular order."""
