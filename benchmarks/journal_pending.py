@@ -39,16 +39,17 @@ async def main() -> None:
             print(f"scheduled {args.count} in {time.monotonic() - started:.1f} s")
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
             started = time.monotonic()
-            last = None
-            async for last in scheduler.pending():
-                pass
+            listed, last = 0, None
+            async for info in scheduler.pending():
+                listed, last = listed + 1, info.schedule_id
             after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
             print(
-                f"pending() in {time.monotonic() - started:.1f} s; peak RSS {before} -> {after} MB"
+                f"pending() listed {listed} in {time.monotonic() - started:.1f} s; "
+                f"peak RSS {before} -> {after} MB"
             )
             if last is not None:
                 started = time.monotonic()
-                await scheduler.get(last.schedule_id)
+                await scheduler.get(last)
                 print(f"get() in {time.monotonic() - started:.1f} s")
     finally:
         connection = await connect(settings)
