@@ -30,6 +30,7 @@ __all__ = [
     "CANCEL_RETENTION_US",
     "DEAD_LETTER_ROUTING_KEY",
     "HOLDING_SUFFIX",
+    "JOURNAL_MAX_BYTES",
     "JOURNAL_RETENTION_US",
     "LEADER_LOCATOR",
     "PARKED_DELIVERY_LIMIT",
@@ -83,6 +84,11 @@ CANCEL_RETENTION_US = MAX_STEP_MS * 1000 + 86_400_000_000
 #: two refresh steps: about 51.3 days) and a day. RabbitMQ drops a stream's records a
 #: whole segment at a time, once all of the segment is older (at least this long).
 JOURNAL_RETENTION_US = retention_bound_us(MAX_STEP_MS) + 86_400_000_000
+#: The most the journal may hold, bytes (16 GiB): it keeps every schedule of its
+#: retention, not only the pending ones, and a broker whose disk fills blocks every
+#: publisher, the ladder's too. Past it RabbitMQ drops the oldest segments first: lookups
+#: of the oldest schedules are lost, never a message (docs/design.md, "The journal").
+JOURNAL_MAX_BYTES = 2**34
 #: Quorum step and relay queues are declared with ``x-queue-leader-locator=balanced``
 #: (RabbitMQ >= 3.10): each new queue's leader goes to the node with the fewest
 #: leaders, so a ladder's queues spread over a cluster instead of all leading on the
@@ -363,6 +369,7 @@ class Topology:
         queues[self.journal_stream] = {
             "x-queue-type": "stream",
             "x-max-age": f"{JOURNAL_RETENTION_US // 1_000_000}s",
+            "x-max-length-bytes": JOURNAL_MAX_BYTES,
         }
         return queues
 
