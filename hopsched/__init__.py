@@ -26,6 +26,7 @@ from hopsched.errors import (
     Unroutable,
     UnroutableTargetError,
 )
+from hopsched.journal import ScheduleInfo
 from hopsched.ladder import Hold, Hop, Ladder
 from hopsched.prepare import ScheduleRequest
 from hopsched.relay import Relay
@@ -57,6 +58,7 @@ __all__ = [
     "PublishTimeoutError",
     "Relay",
     "RelayStats",
+    "ScheduleInfo",
     "ScheduleRequest",
     "Scheduled",
     "Scheduler",

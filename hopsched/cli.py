@@ -29,7 +29,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
-from hopsched.journal import CANCELLED, HELD, PENDING, JournalFold, ScheduleInfo
+from hopsched.journal import CANCELLED, JournalFold, ScheduleInfo
 from hopsched.journal_io import read_journal
 from hopsched.logs import LogFormat, configure_logging
 from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowledged
@@ -821,9 +821,8 @@ async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None]
         fold = await read_journal(settings, copies=False)
     except HopschedError as error:
         return f"not read: {error}"
-    hold_us = settings.ladder.hold_window_ms * 1000
-    due = [info.due_us for info in fold.infos(now_us(), hold_us) if info.state in (PENDING, HELD)]
-    return len(due), min(due, default=None)
+    found = fold.pending()
+    return len(found), found[0][0] if found else None
 
 
 def _journal_line(journal: tuple[int, int | None] | str) -> str:

@@ -27,7 +27,7 @@ depend on the order the records are read in: every choice is a maximum over a to
 order (``tests/test_journal.py`` checks it with hypothesis).
 
 Body layout of one stream message (version 1): ``b"HJ1\\n"``, then per record a 4-byte
-big-endian length and that many bytes of UTF-8 JSON (the record's fields), and when
+big-endian length and that many bytes of JSON (ASCII; the record's fields), and when
 the JSON says ``"copy": true`` two more length-prefixed parts: the encoded properties
 and the body. A reader skips records it cannot read (a newer hopsched's, noise).
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -73,12 +74,18 @@ SCHEDULED, DELIVERED, PARKED, CANCELLED = "scheduled", "delivered", "parked", "c
 #: A reader's own record, written and read back to know it has read every record before.
 MARKER = "marker"
 _OPS = frozenset({SCHEDULED, DELIVERED, PARKED, CANCELLED, MARKER})
+#: The records about one copy of a message: they say its due time and target.
+_COPY_OPS = frozenset({SCHEDULED, DELIVERED, PARKED})
 #: ``ScheduleInfo.state`` values. ``held``: pending, and due within the hold window (a
 #: relay holds it in-process, or will once its last hop returns).
 PENDING, HELD = "pending", "held"
 STATES = (PENDING, HELD, DELIVERED, CANCELLED, PARKED)
 MAGIC = b"HJ1\n"
 _LENGTH = struct.Struct(">I")
+#: A str as an ASCII JSON string (the json module's C encoder): a name a broker passed
+#: with bytes that are not UTF-8 (kept as lone surrogates) reads back as it was.
+_string = json.encoder.encode_basestring_ascii
+_loads = json.JSONDecoder().decode
 #: A relay writes a message's ``scheduled`` record anew when it hops it on a step of this
 #: TTL or more (2^26 ms, about 18.6 h), or on the top step if that is smaller
 #: (``refresh_step_ms``): see ``retention_bound_us``.
@@ -117,9 +124,9 @@ class Copy:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a relay makes one per delivery (half the cost)
 class JournalRecord:
-    """One record of the journal.
+    """One record of the journal (treat it as read-only).
 
     Attributes:
         op: ``SCHEDULED``, ``DELIVERED``, ``PARKED``, ``CANCELLED`` or a reader's
@@ -157,29 +164,40 @@ class JournalRecord:
 
 
 def encode_journal(records: Iterable[JournalRecord]) -> bytes:
-    """Records as one stream message's body (the layout in the module's doc)."""
+    """Records as one stream message's body (the layout in the module's doc).
+
+    The JSON is built by hand (a relay encodes one per delivery): keys in a fixed order,
+    strings escaped by the json module's own encoder (ASCII), unset fields left out.
+    """
     parts = [MAGIC]
     for r in records:
-        fields: dict[str, Any] = {"op": r.op, "id": r.schedule_id, "at": r.at_us, "c": r.created_us}
-        for key, value in (
-            ("due", r.due_us),
-            ("ex", r.exchange),
-            ("rk", r.routing_key),
-            ("size", r.size),
-            ("kid", r.owner),
-            ("why", r.reason),
-            ("by", r.origin),
-            ("occ", r.occurrence or None),
+        meta = [
+            '{"op":', _string(r.op), ',"id":', _string(r.schedule_id),
+            ',"at":', str(r.at_us), ',"c":', str(r.created_us),
+        ]  # fmt: skip
+        if r.due_us is not None:
+            meta += (',"due":', str(r.due_us))
+        for key, text in (
+            (',"ex":', r.exchange),
+            (',"rk":', r.routing_key),
+            (',"kid":', r.owner),
+            (',"why":', r.reason),
+            (',"by":', r.origin),
         ):
-            if value is not None:
-                fields[key] = value
+            if text is not None:
+                meta += (key, _string(text))
+        if r.size is not None:
+            meta += (',"size":', str(r.size))
+        if r.occurrence:
+            meta += (',"occ":', str(r.occurrence))
         if r.copy is not None:
-            fields["copy"] = True
-        meta = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
-        parts += [_LENGTH.pack(len(meta)), meta]
+            meta.append(',"copy":true')
+        meta.append("}")
+        encoded = "".join(meta).encode("ascii")
+        parts += (_LENGTH.pack(len(encoded)), encoded)
         if r.copy is not None:
-            parts += [_LENGTH.pack(len(r.copy.properties)), r.copy.properties]
-            parts += [_LENGTH.pack(len(r.copy.body)), r.copy.body]
+            parts += (_LENGTH.pack(len(r.copy.properties)), r.copy.properties)
+            parts += (_LENGTH.pack(len(r.copy.body)), r.copy.body)
     return b"".join(parts)
 
 
@@ -206,7 +224,7 @@ def decode_journal(
     while offset < end:
         try:
             meta, offset = _part(view, offset, end)
-            fields = json.loads(bytes(meta))
+            fields = _loads(str(meta, "utf-8"))
             copy = None
             if type(fields) is dict and fields.get("copy") is True:
                 properties, offset = _part(view, offset, end)
@@ -231,7 +249,8 @@ def _part(view: memoryview, offset: int, end: int) -> tuple[memoryview, int]:
 
 
 def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
-    op, schedule_id, at_us, created_us = (fields.get(k) for k in ("op", "id", "at", "c"))
+    get = fields.get
+    op, schedule_id, at_us, created_us = get("op"), get("id"), get("at"), get("c")
     if (
         op not in _OPS
         or type(schedule_id) is not str
@@ -239,30 +258,34 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
         or type(created_us) is not int
     ):
         return None
-    ints = {k: fields.get(k) for k in ("due", "size", "occ")}
-    texts = {k: fields.get(k) for k in ("ex", "rk", "kid", "why", "by")}
-    if any(v is not None and type(v) is not int for v in ints.values()) or any(
-        v is not None and type(v) is not str for v in texts.values()
-    ):
+    due, size, occurrence = get("due"), get("size"), get("occ")
+    if any(v is not None and type(v) is not int for v in (due, size, occurrence)):
         return None
-    if op in (SCHEDULED, DELIVERED, PARKED) and (
-        ints["due"] is None or texts["ex"] is None or texts["rk"] is None
-    ):
+    texts = get("ex"), get("rk"), get("kid"), get("why"), get("by")
+    for text in texts:
+        if text is not None and type(text) is not str:
+            return None
+    exchange, routing_key, owner, reason, origin = texts
+    if routing_key is not None:  # a listing holds one per id: the few targets once each
+        routing_key = sys.intern(routing_key)
+    if exchange is not None:
+        exchange = sys.intern(exchange)
+    if op in _COPY_OPS and (due is None or exchange is None or routing_key is None):
         return None
     return JournalRecord(
         op,
         schedule_id,
         at_us,
         created_us,
-        ints["due"],
-        texts["ex"],
-        texts["rk"],
-        ints["size"],
-        texts["kid"],
-        texts["why"],
-        texts["by"],
+        due,
+        exchange,
+        routing_key,
+        size,
+        owner,
+        reason,
+        origin,
         copy,
-        ints["occ"] or 0,
+        occurrence or 0,
     )
 
 
@@ -430,6 +453,25 @@ class JournalFold:
         if entry is None or entry.copy is None:
             return None
         return _info(schedule_id, entry, now_us, hold_window_us)
+
+    def pending(
+        self, due_before_us: int | None = None, routing_key: str | None = None
+    ) -> list[tuple[int, str]]:
+        """(due time µs, id) of every pending (or held) schedule, due before
+        ``due_before_us`` and with ``routing_key`` if given, in due order (then by id)."""
+        found = []
+        for schedule_id, entry in self._entries.items():
+            copy = entry.copy
+            if copy is None or entry.outcome is not None or copy.due_us is None:
+                continue
+            if entry.cancelled_us is not None and entry.cancelled_us >= copy.created_us:
+                continue
+            if due_before_us is not None and copy.due_us >= due_before_us:
+                continue
+            if routing_key is None or copy.routing_key == routing_key:
+                found.append((copy.due_us, schedule_id))
+        found.sort()
+        return found
 
     def infos(self, now_us: int, hold_window_us: int) -> Iterator[ScheduleInfo]:
         """Every known id's ``ScheduleInfo``, in no particular order."""

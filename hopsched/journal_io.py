@@ -4,7 +4,7 @@ and the reading of the whole stream into a ``JournalFold`` (``get``, ``pending``
 
 A relay's journal records are never in a message's way: they are added once the
 broker confirmed the publish they tell of (the delivery's ack does not wait for them),
-gathered for the rest of the event loop's turn, and published as one stream message on
+gathered for ``FLUSH_AFTER_S`` (10 ms, or until a thousand), and published as one stream message on
 a lane of their own (a refused stream publish closes only that channel), unconfirmed
 by anyone: a write that fails is logged and counted (``RelayStats.journal_failures``),
 and the message it told of is delivered or parked all the same.
@@ -42,6 +42,9 @@ log = logging.getLogger("hopsched.journal")
 JOURNAL_LANE = "journal"
 #: Records per stream message at most (a relay's batch, ``schedule_many``'s).
 RECORDS_PER_MESSAGE = 1000
+#: A relay's records wait this long (s) for others to share their stream write: the
+#: broker's work per delivery is what bounds a relay's rate on a shared machine.
+FLUSH_AFTER_S = 0.01
 #: How long reading the journal may go without a message before it is given up, s.
 READ_TIMEOUT_S = 60.0
 _PROPERTIES = amqp.Properties(content_type="application/x-hopsched-journal", delivery_mode=2)
@@ -66,11 +69,13 @@ class JournalWriter:
         self.on_result = on_result
         self._batch: list[JournalRecord] = []
         self._warned = False
+        self._in_flight = 0  # stream writes not answered yet
+        self._idle: asyncio.Event | None = None
 
     def add(self, record: JournalRecord) -> None:
-        """Write ``record`` with the others added in this event loop turn."""
+        """Write ``record`` with the others added within ``FLUSH_AFTER_S``."""
         if not self._batch:
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
         self._batch.append(record)
         if len(self._batch) >= RECORDS_PER_MESSAGE:
             self.flush()
@@ -95,13 +100,25 @@ class JournalWriter:
                     detail or "",
                 )
             self.on_result(count, ok)
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
 
+        self._in_flight += 1
         try:
             self.publisher.publish(
                 JOURNAL_LANE, "", self.stream, encode_journal(batch), _ENCODED_PROPERTIES, written
             )
         except (BrokerConnectionLost, ValueError) as error:
             written(amqp.Outcome.CLOSED, error)
+
+    async def settled(self) -> None:
+        """Write what is gathered and wait until every write has its answer (a relay
+        stopping: the last deliveries' records are not left behind)."""
+        self.flush()
+        if self._in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 async def read_journal(

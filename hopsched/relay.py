@@ -572,6 +572,7 @@ class _Session:
                 if len(self.acker):
                     log.info("finishing %d in-flight deliveries", len(self.acker))
                 await self.acker.settled()
+                await self.journal.settled()
         self.acker.flush()
         self.holds.cancel()  # the rest stays unacked: the broker delivers it again
 

@@ -779,17 +779,11 @@ class Scheduler:
         if limit is not None and limit < 0:
             raise InvalidScheduleError(f"limit={limit}: give a count >= 0, or None for all")
         fold = await read_journal(self.settings, copies=False)
-        now = self._clock()
-        found = [
-            info
-            for info in fold.infos(now, self._ladder.hold_window_ms * US_PER_MS)
-            if info.state in (PENDING, HELD)
-            and (before is None or info.due_us < before)
-            and (target is None or info.routing_key == target)
-        ]
-        found.sort(key=lambda info: (info.due_us, info.schedule_id))
-        for info in found[:limit]:
-            yield info
+        now, hold_us = self._clock(), self._ladder.hold_window_ms * US_PER_MS
+        for _, schedule_id in fold.pending(before, target)[:limit]:
+            info = fold.info(schedule_id, now, hold_us)
+            if info is not None:
+                yield info
 
     def _identify(self, schedule: str | Scheduled, due: datetime | None) -> tuple[str, int | None]:
         if isinstance(schedule, Scheduled):

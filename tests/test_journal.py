@@ -60,7 +60,7 @@ def fold(*records: JournalRecord, only: str | None = None) -> JournalFold:
 
 # --- encoding --------------------------------------------------------------------------
 
-texts = st.text(max_size=20)
+texts = st.text(st.characters(exclude_categories=()), max_size=20)  # lone surrogates too
 records = st.builds(
     JournalRecord,
     op=st.sampled_from([SCHEDULED, DELIVERED, PARKED]),
@@ -282,6 +282,20 @@ def test_the_newest_copy_is_the_one_described(written: list[JournalRecord]) -> N
             r.created_us for r in written if r.schedule_id == info.schedule_id and r.op != CANCELLED
         ]
         assert info.created_us == max(copies)
+
+
+@given(st.lists(any_record, max_size=12), st.none() | instants, st.none() | st.just("q"))
+def test_the_pending_listing_is_the_pending_and_held_infos_in_due_order(
+    written: list[JournalRecord], before: int | None, routing_key: str | None
+) -> None:
+    journal = fold(*written)
+    expected = sorted(
+        (info.due_us, info.schedule_id)
+        for info in journal.infos(NOW, HOLD_US)
+        if info.state in (PENDING, HELD) and (before is None or info.due_us < before)
+    )
+
+    assert journal.pending(before, routing_key) == expected
 
 
 # --- retention -------------------------------------------------------------------------

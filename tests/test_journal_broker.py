@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import aio_pika
 import pytest
 from support import Targets, hopsched_cli
+from test_cancel import until
 
 import hopsched
 from hopsched.cancel import CANCEL
@@ -23,12 +23,6 @@ from hopsched.journal import CANCELLED, DELIVERED, HELD, PARKED, PENDING
 from hopsched.ladder import MAX_STEP_MS
 
 S = 1_000_000
-
-
-async def until(condition: Callable[[], bool], within: float) -> None:
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
 
 
 async def state_of(scheduler: hopsched.Scheduler, schedule_id: str) -> str | None:

@@ -1,0 +1,60 @@
+"""``pending()`` and ``get()`` over N pending schedules: one process schedules N messages
+(100-byte bodies, due in an hour or more; ``schedule_many`` in batches of 10,000) on a
+prefix of its own, times ``pending()`` over all of them and one ``get()``, prints the
+peak RSS before and after (``getrusage``), and tears the prefix down.
+
+    python -P benchmarks/journal_pending.py --count 1000000 [--url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import time
+import uuid
+
+import hopsched
+from hopsched import ScheduleRequest
+from hopsched.connect import connect
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--url", default=os.environ.get("HOPSCHED_URL", "amqp://guest:guest@localhost:5672/")
+    )
+    parser.add_argument("--count", type=int, default=100_000)
+    args = parser.parse_args()
+    settings = hopsched.Settings(url=args.url, prefix=f"jpending-{uuid.uuid4().hex[:6]}")
+    try:
+        async with hopsched.Scheduler(settings, declare=True) as scheduler:
+            started = time.monotonic()
+            for start in range(0, args.count, 10_000):
+                await scheduler.schedule_many(
+                    ScheduleRequest(b"x" * 100, "orders.timeout", delay=3600 + i)
+                    for i in range(start, min(args.count, start + 10_000))
+                )
+            print(f"scheduled {args.count} in {time.monotonic() - started:.1f} s")
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+            started = time.monotonic()
+            listed, last = 0, None
+            async for info in scheduler.pending():
+                listed, last = listed + 1, info.schedule_id
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+            print(
+                f"pending() listed {listed} in {time.monotonic() - started:.1f} s; "
+                f"peak RSS {before} -> {after} MB"
+            )
+            if last is not None:
+                started = time.monotonic()
+                await scheduler.get(last)
+                print(f"get() in {time.monotonic() - started:.1f} s")
+    finally:
+        connection = await connect(settings)
+        async with connection:
+            await hopsched.Topology.from_settings(settings).teardown(connection, force=True)
+
+
+asyncio.run(main())
