@@ -59,11 +59,11 @@ async def test_error_lines_follow_the_json_log_format(broker_url: str) -> None:
 
     status, out, err = await hopsched_cli(
         "--log-format", "json", "schedule", "--routing-key", "q"
-    )  # a usage error: neither --at nor --in
+    )  # a usage error: none of --at, --in, --every and --cron
     assert status == 2, (out, err)
     (line,) = [json.loads(text) for text in err.strip().splitlines()]
     assert line["level"] == "ERROR"
-    assert "exactly one of --at and --in" in line["message"]
+    assert "exactly one of --at, --in, --every and --cron" in line["message"]
 
 
 def closed_port() -> int:
