@@ -92,7 +92,7 @@ class JournalWriter:
             if not ok and not self._warned:
                 self._warned = True  # once a session: the count goes on in the stats
                 log.warning(
-                    "%s did not take %d journal records (%s %s): the messages they tell of "
+                    "%s did not take %d journal records (%s: %s): the messages they tell of "
                     "are delivered or parked all the same; get() may not see it",
                     self.stream,
                     count,

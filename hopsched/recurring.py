@@ -375,7 +375,7 @@ def _every_us(every: timedelta | float) -> int:
         every_us = round(every * 1_000_000)
     if every_us < MIN_EVERY_US:
         raise InvalidScheduleError(
-            f"every={every!r}: the shortest interval is {MIN_EVERY_US / 1e6:g} s"
+            f"every={every_us / 1e6:g} s: the shortest interval is {MIN_EVERY_US / 1e6:g} s"
         )
     return every_us
 

@@ -625,6 +625,7 @@ async def test_F30_a_producer_holding_only_its_grant_tries_every_attack(
                 lambda ch: ch.basic_get(topology.parked_queue),
                 lambda ch: ch.basic_consume(topology.cancel_stream, lambda m: None),
                 lambda ch: ch.basic_consume(topology.relay_queue, lambda m: None),
+                lambda ch: ch.basic_consume(topology.journal_stream, lambda m: None),
             ):  # fmt: skip
                 channel = await (await mallory_connection.channel()).get_underlay_channel()
                 with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
@@ -633,7 +634,9 @@ async def test_F30_a_producer_holding_only_its_grant_tries_every_attack(
                 await publish(mallory_connection, "timeout", b"direct", exchange="orders")
             # the API: her own key's records reach her own schedules only
             await mallory.cancel(victims[0])
-            await mallory.reschedule(victims[1], delay=3600)
+            # reschedule() reads the journal (message copies): not with a producer's grant
+            with pytest.raises(hopsched.AccessRefusedError, match="journal"):
+                await mallory.reschedule(victims[1], delay=3600)
             with pytest.raises(hopsched.InvalidScheduleError):
                 await mallory.schedule(b"x", delay=0, routing_key=topology.cancel_stream)
             # the default exchange: records straight into the stream (the broker takes
