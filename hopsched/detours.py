@@ -122,10 +122,10 @@ class Detours:
             log.exception("the relay failed on a publish's outcome (%s)", result.value)
             self.reject(delivery, f"the relay failed on it: {error!r}")
 
-    def guarded_call(self, delivery: amqp.Delivery, work: Callable[[], None]) -> None:
-        """Run ``work`` for ``delivery``; if it fails (a bug), hand the delivery back."""
+    def guarded_call(self, delivery: amqp.Delivery, work: Callable[..., None], *args: Any) -> None:
+        """Run ``work(*args)`` for ``delivery``; if it fails (a bug), hand the delivery back."""
         try:
-            work()
+            work(*args)
         except Exception as error:
             log.exception("the relay failed on a delivery (schedule id %s)", schedule_id(delivery))
             self.reject(delivery, f"the relay failed on it: {error!r}")

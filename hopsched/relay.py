@@ -581,7 +581,7 @@ class _Session:
     def _received(self, delivery: amqp.Delivery) -> None:
         """Consume: a delivery from ``{prefix}.relay``, in the read that brought it."""
         self.acker.received(delivery.delivery_tag)
-        self.detours.guarded_call(delivery, functools.partial(self._route, delivery))
+        self.detours.guarded_call(delivery, self._route, delivery)  # no closure per delivery
 
     def _route(self, delivery: amqp.Delivery, *, nacks: int = 0, again: bool = False) -> None:
         """Decide: hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its
