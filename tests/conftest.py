@@ -54,6 +54,42 @@ NEVER_RETRIEVED = _NeverRetrieved()
 logging.getLogger("asyncio").addHandler(NEVER_RETRIEVED)
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not _is_xdist_worker(config) and bool(getattr(config.option, "numprocesses", None))
+
+
+#: Workers for the fast tier (pyproject's ``-n auto``): its tests mostly wait on the
+#: broker and on timers (about 90 s of CPU in a 7-minute serial run), so four share two
+#: cores well (about 3 minutes).
+FAST_TIER_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: ``FAST_TIER_WORKERS``, but one process (no xdist) for the slow tier
+    (its tests kill and restart private nodes and time what follows: alone, they time
+    hopsched, not each other) and for tests picked by node id. The environment's
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins (xdist's own hook reads it)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    marks = config.getoption("markexpr") or ""
+    if ("slow" in marks and "not slow" not in marks) or any("::" in arg for arg in config.args):
+        return 0
+    return FAST_TIER_WORKERS
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist (``-n N``) the controller takes the leftover check's first
+    snapshot before any worker starts, and its last after all have ended: a worker's own
+    check would count (and remove) what the others are still using."""
+    if _is_xdist_controller(session.config) and _probe(BROKER_URL) is None:
+        LEFTOVERS.start()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """A run stopped by SIGTERM (a CI time-out, a ``kill``) ends as Ctrl-C ends it: the
     current test's fixtures are torn down and the leftover check removes what the run
@@ -98,7 +134,7 @@ def _probe(url: str) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def broker_url() -> str:
+def broker_url(pytestconfig: pytest.Config) -> str:
     """The broker URL, checked once per session (in a thread: no event loop is touched)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         problem = pool.submit(_probe, BROKER_URL).result()
@@ -109,12 +145,18 @@ def broker_url() -> str:
             "(rabbitmq-server -detached) or point HOPSCHED_TEST_URL at one.",
             pytrace=False,
         )
-    LEFTOVERS.start()
+    if not hasattr(pytestconfig, "workerinput"):  # under xdist, the controller's check
+        LEFTOVERS.start()
     return BROKER_URL
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Fail the run if it left anything on the test broker (F38), and remove it."""
+    """Fail the run if it left anything on the test broker (F38), and remove it. An
+    xdist worker only hands its never-retrieved reports to the controller (below)."""
+    if _is_xdist_worker(session.config):
+        gc.collect()
+        session.config.workeroutput["never_retrieved"] = NEVER_RETRIEVED.reports  # type: ignore[attr-defined]
+        return
     passed, lines = LEFTOVERS.finish()
     if LEFTOVERS.command is None and os.environ.get("CI") == "true":
         passed = False
@@ -126,6 +168,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     _LEFTOVER_REPORT[:] = lines
     if not passed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """An xdist worker ended: keep what it saw of tasks failing unawaited."""
+    NEVER_RETRIEVED.reports.extend(getattr(node, "workeroutput", {}).get("never_retrieved", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
