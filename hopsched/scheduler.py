@@ -147,6 +147,14 @@ log = logging.getLogger("hopsched.scheduler")
 _NACK_FIRST_WAIT_S, _NACK_MAX_WAIT_S = 0.1, 2.0
 
 
+def _require_flags(**flags: object) -> None:
+    """Raise InvalidScheduleError for a flag that is not a bool: ``check_target="no"``
+    is truthy, and would do the opposite of what it says."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidScheduleError(f"{name}={shorten(value)}: must be True or False")
+
+
 class Scheduler:
     """Schedules AMQP messages for delivery at a future instant.
 
@@ -408,6 +416,7 @@ class Scheduler:
         Schedule it again with the same ``schedule_id`` and ``replace=True``: then one
         is delivered, not two.
         """
+        _require_flags(declare=declare, check_target=check_target, replace=replace)
         if replace and schedule_id is None:
             raise InvalidScheduleError("replace=True needs the schedule_id of what it replaces")
         rule = None
@@ -548,6 +557,9 @@ class Scheduler:
             are settled (the others may have been scheduled: see their ids in
             ``error.__notes__``).
         """
+        _require_flags(
+            return_exceptions=return_exceptions, declare=declare, check_target=check_target
+        )
         if not isinstance(requests, Iterable):
             raise InvalidScheduleError(
                 f"requests {shorten(requests)}: must be an iterable of ScheduleRequest"

@@ -172,6 +172,22 @@ async def test_the_schedulers_many_calls_refuse_what_is_not_a_list_before_connec
             await scheduler.cancel_many(schedules)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("flag", ["declare", "check_target", "replace"])
+@pytest.mark.parametrize("value", ["yes", "no", 0, 1, None])
+async def test_a_flag_that_is_not_a_bool_is_refused_before_connecting(
+    flag: str, value: object
+) -> None:
+    """Found by a new-user trial: ``check_target="yes"`` was taken as true (and "no" as
+    true too): a flag is True or False, or the call is refused naming it."""
+    scheduler = hopsched.Scheduler(hopsched.Settings(url="amqp://guest:guest@127.0.0.1:1/"))
+    flags: dict[str, Any] = {flag: value}
+    with pytest.raises(hopsched.InvalidScheduleError, match=rf"{flag}=.*: must be True or False"):
+        await scheduler.schedule(b"x", delay=1, routing_key="q", schedule_id="i", **flags)
+    if flag != "replace":
+        with pytest.raises(hopsched.InvalidScheduleError, match=rf"^{flag}=.*True or False"):
+            await scheduler.schedule_many([ScheduleRequest(b"x", "q", delay=1)], **flags)
+
+
 def test_the_aio_pika_message_of_the_trial_is_refused() -> None:
     for priority in (300, -1):
         with pytest.raises(hopsched.InvalidScheduleError, match=f"priority={priority}"):
