@@ -822,7 +822,7 @@ async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None]
     except HopschedError as error:
         return f"not read: {error}"
     found = fold.pending()
-    return len(found), found[0][0] if found else None
+    return len(found), fold.due_us(found[0]) if found else None
 
 
 def _journal_line(journal: tuple[int, int | None] | str) -> str:

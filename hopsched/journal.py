@@ -74,6 +74,7 @@ SCHEDULED, DELIVERED, PARKED, CANCELLED = "scheduled", "delivered", "parked", "c
 #: A reader's own record, written and read back to know it has read every record before.
 MARKER = "marker"
 _OPS = frozenset({SCHEDULED, DELIVERED, PARKED, CANCELLED, MARKER})
+_OP_NAMES = {op: op for op in _OPS}
 #: The records about one copy of a message: they say its due time and target.
 _COPY_OPS = frozenset({SCHEDULED, DELIVERED, PARKED})
 #: ``ScheduleInfo.state`` values. ``held``: pending, and due within the hold window (a
@@ -251,8 +252,9 @@ def _part(view: memoryview, offset: int, end: int) -> tuple[memoryview, int]:
 def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
     get = fields.get
     op, schedule_id, at_us, created_us = get("op"), get("id"), get("at"), get("c")
+    op = _OP_NAMES.get(op) if type(op) is str else None  # the constant: one str, not one each
     if (
-        op not in _OPS
+        op is None
         or type(schedule_id) is not str
         or type(at_us) is not int
         or type(created_us) is not int
@@ -265,11 +267,11 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
     for text in texts:
         if text is not None and type(text) is not str:
             return None
-    exchange, routing_key, owner, reason, origin = texts
-    if routing_key is not None:  # a listing holds one per id: the few targets once each
-        routing_key = sys.intern(routing_key)
-    if exchange is not None:
-        exchange = sys.intern(exchange)
+    # A listing holds one record per id: the few distinct targets, owners and origins
+    # once each (a str per record was a third of a listing's memory).
+    exchange, routing_key, owner, reason, origin = (
+        None if text is None else sys.intern(text) for text in texts
+    )
     if op in _COPY_OPS and (due is None or exchange is None or routing_key is None):
         return None
     return JournalRecord(
@@ -403,19 +405,34 @@ def _copy_rank(record: JournalRecord) -> tuple[tuple[int, int], bool, bool, int,
     )
 
 
+#: A pending id's newest ``scheduled`` record without a copy, packed (``JournalFold``):
+#: created, at, due and occurrence (µs, µs, µs, count), size (-1: None), then the indices
+#: of its exchange, routing key, owner and origin in the fold's table of strings.
+_PACKED = struct.Struct("<qqqqiIIII")
+_DUE_AT, _ROUTING_KEY_AT = 16, 40
+_INT64 = struct.Struct("<q")
+_UINT32 = struct.Struct("<I")
+
+
 class JournalFold:
     """The journal's records folded by schedule id, in any order.
 
     Args:
         only: fold only this id's records (the others are ignored).
 
-    Memory: one small entry per id read (three references) and the newest record of
-    each; records read without copies hold no message bytes.
+    Memory: per id read, its newest copy's record, and an entry (three references) only
+    for an id with an outcome or a cancel read. A pending id read without its copy (a
+    listing) is 52 packed bytes (``_PACKED``), about 220 bytes with its id and its
+    place in the dict: a record with its numbers as Python objects was 355.
     """
 
     def __init__(self, only: str | None = None) -> None:
         self.only = only
-        self._entries: dict[str, _Entry] = {}
+        #: An id's newest ``scheduled`` record while nothing else is known of it (packed
+        #: if it has no copy), else its ``_Entry``.
+        self._entries: dict[str, _Entry | JournalRecord | bytes] = {}
+        self._strings: list[str | None] = [None]  # a packed record's strings, by index
+        self._string_index: dict[str | None, int] = {None: 0}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -424,9 +441,17 @@ class JournalFold:
         """Fold one record in (a marker is ignored)."""
         if record.op == MARKER or (self.only is not None and record.schedule_id != self.only):
             return
-        entry = self._entries.get(record.schedule_id)
-        if entry is None:
-            entry = self._entries[record.schedule_id] = _Entry()
+        entry = self._entry(record.schedule_id)
+        if entry is None or isinstance(entry, JournalRecord):
+            if record.op == SCHEDULED:  # an id with copies only: its newest is all there is
+                if entry is None or _copy_rank(record) > _copy_rank(entry):
+                    self._entries[record.schedule_id] = (
+                        record if record.copy is not None else self._pack(record)
+                    )
+                return
+            plain, entry = entry, _Entry()
+            entry.copy = plain
+            self._entries[record.schedule_id] = entry
         if record.op == CANCELLED:
             if entry.cancelled_us is None or record.at_us > entry.cancelled_us:
                 entry.cancelled_us = record.at_us
@@ -449,40 +474,105 @@ class JournalFold:
     def info(self, schedule_id: str, now_us: int, hold_window_us: int) -> ScheduleInfo | None:
         """What is known of ``schedule_id`` at ``now_us`` (µs since the epoch), None if no
         record of a copy of it was read (a cancel alone does not make an id known)."""
-        entry = self._entries.get(schedule_id)
-        if entry is None or entry.copy is None:
+        entry = self._entry(schedule_id)
+        if entry is None:
             return None
         return _info(schedule_id, entry, now_us, hold_window_us)
 
     def pending(
         self, due_before_us: int | None = None, routing_key: str | None = None
-    ) -> list[tuple[int, str]]:
-        """(due time µs, id) of every pending (or held) schedule, due before
-        ``due_before_us`` and with ``routing_key`` if given, in due order (then by id)."""
+    ) -> list[str]:
+        """The ids of every pending (or held) schedule, due before ``due_before_us`` and
+        with ``routing_key`` if given, in due order (then by id); ``due_us(id)`` gives
+        each one's due time. (A list of ids, no tuple per id: a million pending are
+        listed in 8 MB, not 72.)"""
         found = []
         for schedule_id, entry in self._entries.items():
-            copy = entry.copy
-            if copy is None or entry.outcome is not None or copy.due_us is None:
+            if type(entry) is bytes:  # pending: read in place
+                (due,) = _INT64.unpack_from(entry, _DUE_AT)
+                target = self._strings[_UINT32.unpack_from(entry, _ROUTING_KEY_AT)[0]]
+            else:
+                assert not isinstance(entry, bytes)
+                copy = _pending_copy(entry)
+                if copy is None or copy.due_us is None:
+                    continue
+                due, target = copy.due_us, copy.routing_key
+            if due_before_us is not None and due >= due_before_us:
                 continue
-            if entry.cancelled_us is not None and entry.cancelled_us >= copy.created_us:
-                continue
-            if due_before_us is not None and copy.due_us >= due_before_us:
-                continue
-            if routing_key is None or copy.routing_key == routing_key:
-                found.append((copy.due_us, schedule_id))
+            if routing_key is None or target == routing_key:
+                found.append(schedule_id)
         found.sort()
+        found.sort(key=lambda schedule_id: self.due_us(schedule_id) or 0)  # stable: by id next
         return found
+
+    def due_us(self, schedule_id: str) -> int | None:
+        """The due time (µs since the epoch) of ``schedule_id``'s newest copy, None if
+        no record of a copy of it was read."""
+        entry = self._entries.get(schedule_id)
+        if type(entry) is bytes:
+            return int(_INT64.unpack_from(entry, _DUE_AT)[0])
+        assert not isinstance(entry, bytes)
+        copy = entry if entry is None or isinstance(entry, JournalRecord) else entry.copy
+        return None if copy is None else copy.due_us
 
     def infos(self, now_us: int, hold_window_us: int) -> Iterator[ScheduleInfo]:
         """Every known id's ``ScheduleInfo``, in no particular order."""
-        for schedule_id, entry in self._entries.items():
-            if entry.copy is not None:
-                yield _info(schedule_id, entry, now_us, hold_window_us)
+        for schedule_id in self._entries:
+            entry = self._entry(schedule_id)
+            assert entry is not None
+            info = _info(schedule_id, entry, now_us, hold_window_us)
+            if info is not None:
+                yield info
+
+    def _entry(self, schedule_id: str) -> _Entry | JournalRecord | None:
+        entry = self._entries.get(schedule_id)
+        if type(entry) is not bytes:
+            assert not isinstance(entry, bytes)
+            return entry
+        created, at, due, occurrence, size, *texts = _PACKED.unpack(entry)
+        exchange, routing_key, owner, origin = (self._strings[index] for index in texts)
+        return JournalRecord(
+            SCHEDULED, schedule_id, at, created, due, exchange, routing_key,
+            None if size < 0 else size, owner, None, origin, None, occurrence,
+        )  # fmt: skip
+
+    def _pack(self, record: JournalRecord) -> bytes:
+        index = self._string_index
+        texts = []
+        for text in (record.exchange, record.routing_key, record.owner, record.origin):
+            at = index.get(text)
+            if at is None:
+                at = index[text] = len(self._strings)
+                self._strings.append(text)
+            texts.append(at)
+        size = -1 if record.size is None else record.size
+        return _PACKED.pack(
+            record.created_us, record.at_us, record.due_us, record.occurrence, size, *texts
+        )
 
 
-def _info(schedule_id: str, entry: _Entry, now_us: int, hold_window_us: int) -> ScheduleInfo:
-    copy, outcome, cancelled = entry.copy, entry.outcome, entry.cancelled_us
-    assert copy is not None
+def _pending_copy(entry: _Entry | JournalRecord) -> JournalRecord | None:
+    """An id's newest copy if it is pending (or held): no outcome, not cancelled."""
+    if isinstance(entry, JournalRecord):
+        return entry
+    copy = entry.copy
+    if copy is None or entry.outcome is not None:
+        return None
+    if entry.cancelled_us is not None and entry.cancelled_us >= copy.created_us:
+        return None
+    return copy
+
+
+def _info(
+    schedule_id: str, entry: _Entry | JournalRecord, now_us: int, hold_window_us: int
+) -> ScheduleInfo | None:
+    copy: JournalRecord | None
+    if isinstance(entry, JournalRecord):
+        copy, outcome, cancelled = entry, None, None
+    else:
+        copy, outcome, cancelled = entry.copy, entry.outcome, entry.cancelled_us
+    if copy is None:  # a cancel alone does not make an id known
+        return None
     assert copy.due_us is not None
     assert copy.exchange is not None
     assert copy.routing_key is not None

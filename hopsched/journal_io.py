@@ -49,7 +49,7 @@ FLUSH_AFTER_S = 0.01
 READ_TIMEOUT_S = 60.0
 _PROPERTIES = amqp.Properties(content_type="application/x-hopsched-journal", delivery_mode=2)
 _ENCODED_PROPERTIES = _PROPERTIES.encode()
-_PREFETCH = 2000
+_PREFETCH = 16
 
 
 class JournalWriter:

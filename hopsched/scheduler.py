@@ -792,7 +792,10 @@ class Scheduler:
             raise InvalidScheduleError(f"limit={limit}: give a count >= 0, or None for all")
         fold = await read_journal(self.settings, copies=False)
         now, hold_us = self._clock(), self._ladder.hold_window_ms * US_PER_MS
-        for _, schedule_id in fold.pending(before, target)[:limit]:
+        found = fold.pending(before, target)
+        if limit is not None:
+            del found[limit:]
+        for schedule_id in found:
             info = fold.info(schedule_id, now, hold_us)
             if info is not None:
                 yield info
