@@ -1,5 +1,5 @@
 """``pending()`` and ``get()`` over N pending schedules: one process schedules N messages
-(100-byte bodies, due in an hour or more; ``schedule_many`` in batches of 10,000) on a
+(100-byte bodies, one byte repeated or random, due in an hour or more; ``schedule_many`` in batches of 10,000) on a
 prefix of its own, times ``pending()`` over all of them and one ``get()``, prints the
 peak RSS before and after (``getrusage``), and tears the prefix down.
 
@@ -26,14 +26,22 @@ async def main() -> None:
         "--url", default=os.environ.get("HOPSCHED_URL", "amqp://guest:guest@localhost:5672/")
     )
     parser.add_argument("--count", type=int, default=100_000)
+    parser.add_argument(
+        "--random-bodies",
+        action="store_true",
+        help="bodies of random bytes (nothing to compress), not one byte repeated",
+    )
     args = parser.parse_args()
+    def body() -> bytes:
+        return os.urandom(100) if args.random_bodies else b"x" * 100
+
     settings = hopsched.Settings(url=args.url, prefix=f"jpending-{uuid.uuid4().hex[:6]}")
     try:
         async with hopsched.Scheduler(settings, declare=True) as scheduler:
             started = time.monotonic()
             for start in range(0, args.count, 10_000):
                 await scheduler.schedule_many(
-                    ScheduleRequest(b"x" * 100, "orders.timeout", delay=3600 + i)
+                    ScheduleRequest(body(), "orders.timeout", delay=3600 + i)
                     for i in range(start, min(args.count, start + 10_000))
                 )
             print(f"scheduled {args.count} in {time.monotonic() - started:.1f} s")

@@ -28,7 +28,14 @@ from hopsched.errors import (
     BrokerUnavailableError,
     ChannelClosedError,
 )
-from hopsched.journal import MARKER, JournalFold, JournalRecord, decode_journal, encode_journal
+from hopsched.journal import (
+    MARKER,
+    JournalFold,
+    JournalRecord,
+    decode_journal,
+    encode_journal,
+    pack_journal,
+)
 from hopsched.publisher import Publisher
 from hopsched.settings import Settings
 from hopsched.topology import Topology
@@ -107,7 +114,7 @@ class JournalWriter:
         self._in_flight += 1
         try:
             self.publisher.publish(
-                JOURNAL_LANE, "", self.stream, encode_journal(batch), _ENCODED_PROPERTIES, written
+                JOURNAL_LANE, "", self.stream, pack_journal(batch), _ENCODED_PROPERTIES, written
             )
         except (BrokerConnectionLost, ValueError) as error:
             written(amqp.Outcome.CLOSED, error)

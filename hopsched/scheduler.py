@@ -43,7 +43,7 @@ from hopsched.journal import (
     Copy,
     JournalRecord,
     ScheduleInfo,
-    encode_journal,
+    pack_journal,
 )
 from hopsched.journal_io import RECORDS_PER_MESSAGE, read_journal
 from hopsched.ladder import US_PER_MS, AvoidedSteps
@@ -509,7 +509,7 @@ class Scheduler:
             ).encode()
             writes = [
                 _Prepared(
-                    encode_journal(records[start : start + RECORDS_PER_MESSAGE]),
+                    pack_journal(records[start : start + RECORDS_PER_MESSAGE]),
                     properties,
                     "",
                     stream,

@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hopsched import journal as journal_module
 from hopsched.envelope import Envelope
 from hopsched.journal import (
     CANCELLED,
+    COMPRESS_FROM_BYTES,
     DELIVERED,
     HELD,
     MAGIC,
     PARKED,
     PENDING,
     SCHEDULED,
+    ZLIB_MAGIC,
     Copy,
     JournalFold,
     JournalRecord,
     decode_journal,
     delivered_record,
     encode_journal,
+    pack_journal,
     refresh_step_ms,
     retention_bound_us,
 )
@@ -84,6 +89,44 @@ def test_records_come_back_as_they_were_written(written: list[JournalRecord]) ->
 
     assert list(decode_journal(body)) == written
     assert [r.copy for r in decode_journal(body, copies=False)] == [None] * len(written)
+
+
+@given(st.lists(records, max_size=30))
+def test_a_packed_body_is_no_longer_than_the_plain_one_and_reads_the_same(
+    written: list[JournalRecord],
+) -> None:
+    plain, packed = encode_journal(written), pack_journal(written)
+
+    assert len(packed) <= len(plain)
+    assert packed.startswith(ZLIB_MAGIC) == (packed != plain)
+    assert list(decode_journal(packed)) == written
+    assert [r.copy for r in decode_journal(packed, copies=False)] == [None] * len(written)
+
+
+def test_a_batch_is_written_compressed_and_a_lone_marker_plain() -> None:
+    batch = [scheduled(f"order-{n}", NOW + n, NOW + HOUR + n) for n in range(1000)]
+    plain = encode_journal(batch)
+    packed = pack_journal(batch)
+
+    assert len(plain) >= COMPRESS_FROM_BYTES
+    assert packed.startswith(ZLIB_MAGIC)
+    assert len(packed) < len(plain) / 3  # field names, targets, digits repeat
+    marker = [JournalRecord("marker", "m", 0, 0)]
+    assert pack_journal(marker) == encode_journal(marker)
+
+
+def test_a_compressed_body_that_does_not_inflate_or_inflates_too_far_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(journal_module, "MAX_INFLATED_BYTES", 2**20)  # not 512 MiB in a test
+    good = pack_journal([scheduled(f"order-{n}", NOW, NOW + HOUR) for n in range(100)])
+    bomb = ZLIB_MAGIC + zlib.compress(MAGIC + b"\0" * 2**20, 9)
+
+    assert len(list(decode_journal(good))) == 100
+    assert list(decode_journal(good[:-10])) == []  # cut short
+    assert list(decode_journal(ZLIB_MAGIC + b"noise")) == []
+    assert list(decode_journal(bomb)) == []  # 1 MiB of zeros in 1 kB
+    assert len(list(decode_journal(good + b"trailing"))) == 100  # as a plain body's tail
 
 
 @given(st.lists(records, min_size=1, max_size=8))
