@@ -113,20 +113,23 @@ def expected_occurrences(starts_us: list[int], every_us: int, until_us: int) -> 
     }
 
 
-def depth_verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
+def depth_verdict(samples: list[dict[str, Any]], live_until_s: float) -> dict[str, Any]:
     """Ready messages in the steps and the relay queue, mean of the first third of the
-    samples against the last third: grew if the last is above 1.25 x the first + 10."""
-    third = len(samples) // 3
+    samples taken while every chain runs (``t_s`` up to ``live_until_s``: not in the
+    chains' last interval, when they end) against the last third: grew if the last is
+    above 1.25 x the first + 10."""
+    live = [row for row in samples if row["t_s"] <= live_until_s]
+    third = len(live) // 3
     if third < 1:
         return {"verdict": "too few samples", "first_third": None, "last_third": None}
 
     def mean(rows: list[dict[str, Any]]) -> float:
         return round(float(sum(row["steps"] + row["relay"] for row in rows)) / len(rows), 1)
 
-    first, last = mean(samples[:third]), mean(samples[-third:])
-    grew = last > 1.25 * first + 10
+    first, last = mean(live[:third]), mean(live[-third:])
     return {
-        "verdict": "grew" if grew else "flat",
+        "verdict": "grew" if last > 1.25 * first + 10 else "flat",
+        "samples": len(live),
         "first_third": first,
         "last_third": last,
     }
@@ -209,7 +212,7 @@ async def run(
             scheduled_s = (now_us() - began) / S
             cpu_start = sum(cpu.cpu_times()[:2])
             delivered_start = len(received)
-            started = time.monotonic()
+            started, started_us = time.monotonic(), now_us()
             next_sample = started
             rng = random.Random(22)
             while now_us() < until:
@@ -302,7 +305,7 @@ async def run(
         "waited_after_the_last_due_s": waited_s,
         "schedules_cancelled_at_cleanup": cleaned_up,
         "relay_cpu_us_per_delivered_message": round(cpu_used * S / max(1, delivered_during), 1),
-        "depths": depth_verdict(samples),
+        "depths": depth_verdict(samples, (until - every_us - started_us) / S),
         "depth_samples": samples,
         "relay_log_tail": relay_log[-3:],
     }
@@ -356,7 +359,8 @@ def main(
         f"lateness recurring {result['recurring_lateness']}, one-shot "
         f"{result['one_shot_lateness']}; relay "
         f"{result['relay_cpu_us_per_delivered_message']} µs CPU per delivered message\n"
-        f"depths (ready in steps + relay queue, mean): first third {d['first_third']}, "
+        f"depths (ready in steps + relay queue, mean of {d.get('samples')} samples): first third "
+        f"{d['first_third']}, "
         f"last third {d['last_third']}: {d['verdict']}",
         file=sys.stderr,
     )
