@@ -134,11 +134,16 @@ class Wait:
 class Linked:
     """A due recurring occurrence: deliver ``deliver`` (None: nothing, it was missed),
     then schedule ``next`` (None: the chain ends) by ``plan``. Neither carries the rule
-    any more but ``next``: a retry or a replay of ``deliver`` must not chain again."""
+    any more but ``next``: a retry or a replay of ``deliver`` must not chain again.
+    ``catch_up``: the rule's policy (a ``CatchUp`` value); ``skipped`` and ``ended_by``:
+    as ``recurring.Link``'s (for the relay's counters)."""
 
     deliver: Envelope | None
     next: Envelope | None
     plan: Hop | Hold | None
+    catch_up: str = "latest"
+    skipped: int = 0
+    ended_by: str | None = None
 
 
 def returned_early(headers: Mapping[str, Any], now_us: int) -> tuple[str, str, int] | None:
@@ -329,8 +334,9 @@ class Decider:
                 ),
                 body,
             )
+        policy = rule.catch_up.value
         if plan.next_us is None:
-            return Linked(deliver, None, None)
+            return Linked(deliver, None, None, policy, plan.skipped, plan.ended_by)
         following = dataclasses.replace(
             envelope,
             due_us=plan.next_us,
@@ -342,7 +348,8 @@ class Decider:
         hop = self.ladder.plan(now_us=now_us, due_us=plan.next_us)
         if isinstance(hop, Hop):
             following = dataclasses.replace(following, hops=1)
-        return Linked(deliver, signatures.resigned(following, body), hop)
+        following = signatures.resigned(following, body)
+        return Linked(deliver, following, hop, policy, plan.skipped)
 
     def claim(
         self,

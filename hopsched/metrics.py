@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import errno
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -93,7 +93,35 @@ _COUNTERS = (
         "Hops a step returned early (a policy's length limit, a short message-ttl), which "
         "waited instead of hopping again at once.",
     ),
+    (
+        "hopsched_recurring_delivered",
+        "recurring_delivered",
+        "Of hopsched_delivered, occurrences of recurring schedules (confirmed).",
+    ),
+    (
+        "hopsched_recurring_scheduled",
+        "recurring_scheduled",
+        "Next occurrences of recurring schedules the relay published into the ladder "
+        "(confirmed), one per occurrence but a chain's last.",
+    ),
+    (
+        "hopsched_recurring_lineage_claims",
+        "lineage_claims",
+        "Lineage claims written to the {prefix}.cancelled stream: recurring occurrences "
+        "delivered to the relay again (a relay died or lost its connection holding them).",
+    ),
+    (
+        "hopsched_recurring_superseded",
+        "superseded",
+        "Copies of recurring occurrences dropped because another lineage of their chain "
+        "won a lineage claim (the chain goes on in that lineage).",
+    ),
 )
+#: ``hopsched_recurring_chains_ended_total``'s reasons, and the ``catch_up`` policies of
+#: ``hopsched_recurring_skipped_total`` and ``hopsched_recurring_caught_up_total``, every
+#: one exported (0 until it happens).
+_ENDED_BY = ("count", "until", "cancelled")
+_CATCH_UPS = ("latest", "all", "none")
 #: ``hopsched_records_refused_total``'s reasons, every one exported (0 until it happens).
 _REFUSED_REASONS = ("unsigned", "bad_signature", "relayed")
 
@@ -138,6 +166,32 @@ class RelayCollector(Collector):
         for reason in _REFUSED_REASONS:
             refused.add_metric([reason], snapshot.records_refused.get(reason, 0))
         yield refused
+        yield _labelled(
+            "hopsched_recurring_chains_ended",
+            "Recurring chains that ended at this relay, by why (label reason): count (the "
+            "last of count occurrences), until (no occurrence left before until), cancelled "
+            "(an occurrence dropped for a cancel).",
+            "reason",
+            _ENDED_BY,
+            snapshot.chains_ended,
+        )
+        yield _labelled(
+            "hopsched_recurring_skipped",
+            "Recurring occurrences due but not delivered, by the schedule's catch_up (label): "
+            "latest (collapsed into the latest due one), none (and the latest, when missed "
+            "by more than 10 s); all never skips.",
+            "catch_up",
+            _CATCH_UPS,
+            snapshot.skipped,
+        )
+        yield _labelled(
+            "hopsched_recurring_caught_up",
+            "Recurring occurrences delivered though the relay reached them more than 10 s "
+            "past due (no relay ran, the broker was down), by the schedule's catch_up (label).",
+            "catch_up",
+            _CATCH_UPS,
+            snapshot.caught_up,
+        )
         yield _histogram(
             "hopsched_lateness_seconds",
             "Final publish confirmed - due time, seconds, of messages that were not overdue "
@@ -196,6 +250,19 @@ def _runs_on(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def _labelled(
+    name: str,
+    documentation: str,
+    label: str,
+    values: tuple[str, ...],
+    counts: Mapping[str, int],
+) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value in values:
+        family.add_metric([value], counts.get(value, 0))
+    return family
 
 
 def _histogram(name: str, documentation: str, data: tuple[list[int], int]) -> Metric:

@@ -29,7 +29,7 @@ An occurrence is after ``start`` (included) and not after ``until`` (included); 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, tzinfo
 from enum import StrEnum
 from typing import Any
@@ -231,6 +231,21 @@ class Rule:
             return max(since_us, self._last_until())
         return latest
 
+    def count_between_us(self, since_us: int, before_us: int) -> int:
+        """How many occurrences are at or after ``since_us`` (an occurrence) and before
+        ``before_us``, µs; for a cron rule at most ``_FORWARD_STEPS`` (1,000) are counted."""
+        if before_us <= since_us:
+            return 0
+        if self.every_us is not None:
+            return -(-(before_us - since_us) // self.every_us)
+        found, instant = 1, since_us
+        while found < _FORWARD_STEPS:
+            following = self._cron_after(instant)
+            if following is None or following >= before_us:
+                break
+            found, instant = found + 1, following
+        return found
+
     def _zone(self) -> tzinfo:
         return UTC if self.tz == "UTC" else ZoneInfo(self.tz)
 
@@ -338,10 +353,20 @@ class Link:
             under ``CatchUp.NONE``).
         next_us: the due time of the next occurrence to schedule; None: the chain ends
             (``until`` passed, ``count`` reached).
+        skipped: occurrences due by ``now_us`` not delivered: under ``CatchUp.LATEST``
+            those collapsed into the latest, under ``CatchUp.NONE`` those and the latest
+            when it was missed; 0 under ``CatchUp.ALL``. A cron catch-up counts at most
+            ``_FORWARD_STEPS`` (1,000) of them. Not compared: what the relay counts, not
+            what it does.
+        ended_by: why the chain ends (``next_us`` None): ``"count"`` (``count``
+            occurrences delivered) or ``"until"`` (no occurrence on the rule before
+            ``until``, or none at all); None while it goes on.
     """
 
     deliver_us: int | None
     next_us: int | None
+    skipped: int = field(default=0, compare=False)
+    ended_by: str | None = field(default=None, compare=False)
 
 
 def plan_link(rule: Rule, due_us: int, delivered: int, now_us: int) -> Link:
@@ -351,6 +376,7 @@ def plan_link(rule: Rule, due_us: int, delivered: int, now_us: int) -> Link:
     The next occurrence is strictly after the one delivered (or skipped), on the rule;
     none once ``count`` occurrences are delivered or after ``until``.
     """
+    skipped = 0
     if rule.catch_up is CatchUp.ALL:
         deliver: int | None = due_us
         last = due_us
@@ -358,10 +384,14 @@ def plan_link(rule: Rule, due_us: int, delivered: int, now_us: int) -> Link:
         last = rule.latest_due_us(due_us, now_us)
         missed = now_us - last > MISSED_AFTER_US
         deliver = None if rule.catch_up is CatchUp.NONE and missed else last
+        if last > due_us:
+            skipped = rule.count_between_us(due_us, last)
+        skipped += deliver is None
     delivered += deliver is not None
     if rule.count is not None and delivered >= rule.count:
-        return Link(deliver, None)
-    return Link(deliver, rule.next_after_us(last))
+        return Link(deliver, None, skipped, "count")
+    following = rule.next_after_us(last)
+    return Link(deliver, following, skipped, "until" if following is None else None)
 
 
 def _every_us(every: timedelta | float) -> int:

@@ -65,6 +65,7 @@ from hopsched.ladder import US_PER_MS, AvoidedSteps, Hold, Hop
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
+from hopsched.recurring import MISSED_AFTER_US
 from hopsched.settings import Settings
 from hopsched.stats import RelayStats
 from hopsched.topology import (
@@ -623,6 +624,8 @@ class _Session:
                 self._superseded(decision.envelope, delivery.delivery_tag)
             else:
                 self.stats.record_cancelled()
+                if decision.envelope.rule is not None:  # a recurring chain ends here
+                    self.stats.chains_ended["cancelled"] += 1
                 self.acker.done(delivery.delivery_tag)
         else:
             envelope = decision.envelope
@@ -678,6 +681,8 @@ class _Session:
             self._deliver(final)
         elif verdict == CANCEL:
             self.stats.record_cancelled()
+            if envelope.rule is not None:  # a recurring chain ends here
+                self.stats.chains_ended["cancelled"] += 1
             self.acker.done(final.delivery.delivery_tag)
         else:  # rescheduled: route it again, for its new due time
             self._route(final.delivery, again=True)
@@ -771,6 +776,8 @@ class _Session:
             now = self.clock()
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_delivery(now - envelope.due_us, arrived - envelope.due_us)
+                if envelope.occurrence:  # a recurring schedule's occurrence
+                    self.stats.recurring_delivered += 1
                 self.journal.add(delivered_record(envelope, len(delivery.body), now))
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED:
@@ -825,10 +832,16 @@ class _Session:
             return
 
         def deliver(linked: Linked = linked) -> None:
+            stats = self.stats
+            stats.skipped[linked.catch_up] += linked.skipped
+            if linked.ended_by is not None:
+                stats.chains_ended[linked.ended_by] += 1
             if linked.deliver is None:  # missed, under catch_up="none"
-                self.stats.missed += 1
+                stats.missed += 1
                 self.acker.done(tag)
                 return
+            if now - linked.deliver.due_us > MISSED_AFTER_US:
+                stats.caught_up[linked.catch_up] += 1
             delivery.properties = without_rule(original, linked.deliver)
             try:
                 this = _Final(delivery, linked.deliver, final.arrived_us)

@@ -33,6 +33,10 @@ __all__ = [
 ]
 
 _RISKS = ("loss", "stall", "hops")  # hopsched.policies.Risk, without importing it
+#: ``RelayStats.chains_ended``'s reasons and the ``catch_up`` policies
+#: (``hopsched.recurring.CatchUp`` values), every one exported.
+_ENDED_BY = ("count", "until", "cancelled")
+_CATCH_UPS = ("latest", "all", "none")
 _HIGHEST_US = 7 * 24 * 3600 * 1_000_000  # a week; larger values are clamped to it
 
 #: A message reaching the relay more than this after its due time (µs) was overdue on
@@ -175,8 +179,16 @@ class RelayStats:
             the relay tried again after a back-off.
         returned_early: hops a step returned early enough to come straight back if
             hopped again (``hopsched.decide.returned_early``), which waited instead.
+        recurring_delivered: of ``delivered``, occurrences of recurring schedules.
         links: next occurrences of recurring schedules scheduled (confirmed).
         missed: recurring occurrences not delivered, missed under ``catch_up="none"``.
+        chains_ended: recurring chains that ended at this relay, by why: ``count`` (its
+            last occurrence due: ``count`` delivered), ``until`` (no occurrence left
+            before ``until``), ``cancelled`` (an occurrence dropped for a cancel).
+        caught_up: recurring occurrences delivered though the relay reached them more
+            than ``recurring.MISSED_AFTER_US`` past due, per ``catch_up`` policy.
+        skipped: recurring occurrences due but not delivered (collapsed into the latest,
+            or missed), per ``catch_up`` policy (``recurring.Link.skipped``).
         lineages: lineage claims written for recurring occurrences delivered again.
         superseded: copies of recurring occurrences dropped: a lineage claim replaced them.
         policy_risks: findings of the policies in force, per ``hopsched.policies.Risk``
@@ -209,8 +221,12 @@ class RelayStats:
     reconnects: int = 0
     hop_nacks: int = 0
     returned_early: int = 0
+    recurring_delivered: int = 0
     links: int = 0
     missed: int = 0
+    chains_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_ENDED_BY, 0))
+    caught_up: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CATCH_UPS, 0))
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CATCH_UPS, 0))
     lineages: int = 0
     superseded: int = 0
     policy_risks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_RISKS, 0))
@@ -352,7 +368,14 @@ class RelayStats:
                 "unsigned_envelopes": self.unsigned,
                 "reconnects": self.reconnects,
                 "returned_early": self.returned_early,
+                "recurring_delivered": self.recurring_delivered,
+                "recurring_scheduled": self.links,
+                "lineage_claims": self.lineages,
+                "superseded": self.superseded,
             },
+            chains_ended=dict(self.chains_ended),
+            caught_up=dict(self.caught_up),
+            skipped=dict(self.skipped),
             parked_by_kind=dict(self.parked_by_kind),
             records_refused=dict(self.record_tally.refused),
             lateness=(self.lateness_buckets.cumulative(), self.lateness_buckets.sum_us),
@@ -372,7 +395,11 @@ class StatsSnapshot:
         counters: name -> count since the relay started (``delivered``, ``overdue``,
             ``hops``, ``retries``, ``cancelled``, ``rejected``, ``cancel_records``,
             ``journal_records``, ``journal_failures``,
-            ``unsigned_envelopes``, ``reconnects``, ``returned_early``; see ``RelayStats``).
+            ``unsigned_envelopes``, ``reconnects``, ``returned_early``,
+            ``recurring_delivered``, ``recurring_scheduled`` (``RelayStats.links``),
+            ``lineage_claims`` (``RelayStats.lineages``), ``superseded``; see
+            ``RelayStats``).
+        chains_ended, caught_up, skipped: as ``RelayStats``'s, every key present.
         parked_by_kind: messages parked per ``ParkKind``, every kind present.
         records_refused: records ignored per reason (``RecordTally.refused``).
         lateness, overshoot: cumulative counts per ``BUCKET_BOUNDS_US`` bound then the
@@ -390,3 +417,6 @@ class StatsSnapshot:
     in_flight: int
     policy_risks: Mapping[str, int] = field(default_factory=dict)
     policy_unchecked: int = 0
+    chains_ended: Mapping[str, int] = field(default_factory=dict)
+    caught_up: Mapping[str, int] = field(default_factory=dict)
+    skipped: Mapping[str, int] = field(default_factory=dict)

@@ -192,6 +192,44 @@ def test_count_counts_deliveries_and_until_ends_the_chain() -> None:
     assert plan_link(until, T0, 0, T0 + 100 * S) == Link(T0 + 4 * S, None)
 
 
+@pytest.mark.parametrize(
+    ("policy", "late_s", "skipped"),
+    [
+        ("latest", 0.003, 0),
+        ("latest", 3, 1),  # T0 collapsed into T0 + 2 s
+        ("latest", 61, 30),  # T0 .. T0 + 58 s collapsed into T0 + 60 s
+        ("all", 61, 0),
+        ("none", 61, 30),  # T0 + 60 s is 1 s late: delivered
+        ("none", 75, 37),  # T0 + 74 s is 1 s late: delivered; 0 .. 72 s skipped
+    ],
+)
+def test_a_link_counts_the_occurrences_it_skips(policy: str, late_s: float, skipped: int) -> None:
+    link = plan_link(every_2s(catch_up=policy), T0, 0, T0 + round(late_s * S))
+    assert link.skipped == skipped
+    assert link.ended_by is None
+
+
+def test_a_missed_occurrence_under_none_counts_as_skipped_too() -> None:
+    rule = Rule.make(now_us=T0, every=20, start=us_to_datetime(T0), catch_up="none")
+    link = plan_link(rule, T0, 0, T0 + 95 * S)  # 0 .. 60 s collapsed, 80 s missed
+    assert (link.deliver_us, link.skipped) == (None, 5)
+
+
+def test_a_cron_catch_up_counts_what_it_skips_up_to_a_thousand() -> None:
+    rule = cron("* * * * *")
+    due = datetime_to_us(datetime(2026, 2, 1, tzinfo=UTC))
+    assert plan_link(rule, due, 0, due + 5 * 60 * S + 30 * S).skipped == 5
+    assert plan_link(rule, due, 0, due + 3 * 86_400 * S).skipped == 1000
+
+
+def test_a_link_says_why_its_chain_ends() -> None:
+    assert plan_link(every_2s(count=3), T0, 2, T0).ended_by == "count"
+    assert plan_link(every_2s(count=3), T0, 1, T0).ended_by is None
+    until = every_2s(until=us_to_datetime(T0 + 4 * S))
+    assert plan_link(until, T0 + 4 * S, 2, T0 + 4 * S).ended_by == "until"
+    assert plan_link(until, T0 + 2 * S, 1, T0 + 2 * S).ended_by is None
+
+
 def test_a_cron_catch_up_after_a_long_outage_jumps_to_the_latest() -> None:
     rule = cron("* * * * *")
     due = datetime_to_us(datetime(2026, 2, 1, tzinfo=UTC))

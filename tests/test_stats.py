@@ -57,7 +57,13 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
         "unsigned_envelopes": 0,
         "reconnects": 0,
         "returned_early": 1,
+        "recurring_delivered": 0,
+        "recurring_scheduled": 0,
+        "lineage_claims": 0,
+        "superseded": 0,
     }
+    assert snapshot.chains_ended == {"count": 0, "until": 0, "cancelled": 0}
+    assert snapshot.skipped == snapshot.caught_up == {"latest": 0, "all": 0, "none": 0}
     assert snapshot.policy_risks == {"loss": 2, "stall": 0, "hops": 0}
     assert snapshot.policy_unchecked == 1
     assert snapshot.parked_by_kind == {kind: int(kind is ParkKind.UNROUTABLE) for kind in ParkKind}
