@@ -1,9 +1,10 @@
 """``pending()`` and ``get()`` over N pending schedules: one process schedules N messages
-(100-byte bodies, one byte repeated or random, due in an hour or more; ``schedule_many`` in batches of 10,000) on a
-prefix of its own, times ``pending()`` over all of them and one ``get()``, prints the
-peak RSS before and after (``getrusage``), and tears the prefix down.
+(100-byte bodies, one byte repeated or random; due in an hour or more; ``schedule_many``
+in batches of 10,000) on a prefix of its own, times ``pending()`` over all of them and
+one ``get()``, prints the peak RSS before and after (``getrusage``), and tears the
+prefix down.
 
-    python -P benchmarks/journal_pending.py --count 1000000 [--url URL]
+    python -P benchmarks/journal_pending.py --count 1000000 [--random-bodies] [--url URL]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ async def main() -> None:
         help="bodies of random bytes (nothing to compress), not one byte repeated",
     )
     args = parser.parse_args()
+
     def body() -> bytes:
         return os.urandom(100) if args.random_bodies else b"x" * 100
 
