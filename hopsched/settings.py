@@ -285,6 +285,12 @@ class Settings:
                 f"prefix {self.prefix!r}: use 1-100 letters, digits, '.', '_', ':' or '-', "
                 "starting with a letter or digit and not with 'amq.' (reserved by RabbitMQ)"
             )
+        if self.prefix.endswith(".") or ".." in self.prefix:
+            raise InvalidSettingsError(
+                f"prefix {self.prefix!r}: must not end with '.' or hold '..': hopsched adds "
+                f"'.relay', '.step.N' ... to it ({self.prefix}.relay); did you mean "
+                f"{re.sub(r'[.]+', '.', self.prefix).rstrip('.')!r}?"
+            )
         if self.queue_type not in ("quorum", "classic"):
             raise InvalidSettingsError(
                 f"queue_type {self.queue_type!r}: must be 'quorum' or 'classic'"

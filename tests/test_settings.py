@@ -312,7 +312,9 @@ def test_a_password_with_reserved_characters_asks_for_percent_encoding(password:
         assert f"'{piece}'" not in str(caught.value)
 
 
-@pytest.mark.parametrize("prefix", ["amq.mine", ".", "-x", "_x", "has space"])
+@pytest.mark.parametrize(
+    "prefix", ["amq.mine", ".", "-x", "_x", "has space", "hopsched.", "billing..delays"]
+)
 def test_a_prefix_rabbitmq_would_refuse_or_that_reads_oddly_is_rejected(prefix: str) -> None:
     with pytest.raises(InvalidSettingsError, match="prefix"):
         Settings(prefix=prefix)
