@@ -237,27 +237,17 @@ class CancelReader:
 
     async def _write_marker(self, publisher: Publisher, marker: str) -> None:
         """Append this reading's marker record and wait for the broker's confirm."""
-        confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def written(outcome: amqp.Outcome, detail: Any) -> None:
-            if confirmed.done():
-                return
-            if outcome is amqp.Outcome.ACK:
-                confirmed.set_result(None)
-            elif isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
-                confirmed.set_exception(detail)  # e.g. 403: the user may not write there
-            else:
-                confirmed.set_exception(
-                    BrokerUnavailableError(
-                        f"{self.stream} did not take this relay's marker record "
-                        f"({outcome.value}: {detail})"
-                    )
-                )
-
         record = encode_records([Record(MARKER, marker, self.clock())])
-        publisher.publish(LADDER_LANE, "", self.stream, record, _PERSISTENT, written)
-        async with asyncio.timeout(CATCH_UP_TIMEOUT_S):
-            await confirmed
+        outcome, detail = await publisher.answer(
+            LADDER_LANE, "", self.stream, record, _PERSISTENT, CATCH_UP_TIMEOUT_S
+        )
+        if outcome is amqp.Outcome.ACK:
+            return
+        if isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
+            raise detail  # e.g. 403: the user may not write there
+        raise BrokerUnavailableError(
+            f"{self.stream} did not take this relay's marker record ({outcome.value}: {detail})"
+        )
 
     async def _same_stream(self, connection: amqp.Connection) -> bool:
         """Whether the stream's first message is the one this reader read first.

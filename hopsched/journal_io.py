@@ -214,36 +214,23 @@ async def read_journal(
 
 
 async def _write_marker(publisher: Publisher, stream: str, marker: str) -> None:
-    confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def written(outcome: amqp.Outcome, detail: Any) -> None:
-        if confirmed.done():
-            return
-        if outcome is amqp.Outcome.ACK:
-            confirmed.set_result(None)
-        elif isinstance(detail, ChannelClosedError) and detail.reply_code == 403:
-            confirmed.set_exception(
-                AccessRefusedError(
-                    f"the broker refused ({detail}): reading the journal writes a marker to "
-                    f"{stream} through amq.default (write permission)"
-                )
-            )
-        elif isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
-            confirmed.set_exception(detail)
-        elif outcome is amqp.Outcome.RETURNED:
-            confirmed.set_exception(
-                ChannelClosedError(
-                    404,
-                    f"NOT_FOUND - no stream {stream!r}: the prefix was declared by a hopsched "
-                    "without a journal, or torn down (a relay of this version declares it)",
-                )
-            )
-        else:
-            confirmed.set_exception(
-                BrokerUnavailableError(f"{stream} did not take the marker ({outcome.value})")
-            )
-
     record = encode_journal([JournalRecord(MARKER, marker, 0, 0)])
-    publisher.publish(JOURNAL_LANE, "", stream, record, _ENCODED_PROPERTIES, written)
-    async with asyncio.timeout(READ_TIMEOUT_S):
-        await confirmed
+    outcome, detail = await publisher.answer(
+        JOURNAL_LANE, "", stream, record, _ENCODED_PROPERTIES, READ_TIMEOUT_S
+    )
+    if outcome is amqp.Outcome.ACK:
+        return
+    if isinstance(detail, ChannelClosedError) and detail.reply_code == 403:
+        raise AccessRefusedError(
+            f"the broker refused ({detail}): reading the journal writes a marker to "
+            f"{stream} through amq.default (write permission)"
+        )
+    if isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
+        raise detail
+    if outcome is amqp.Outcome.RETURNED:
+        raise ChannelClosedError(
+            404,
+            f"NOT_FOUND - no stream {stream!r}: the prefix was declared by a hopsched "
+            "without a journal, or torn down (a relay of this version declares it)",
+        )
+    raise BrokerUnavailableError(f"{stream} did not take the marker ({outcome.value})")

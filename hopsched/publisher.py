@@ -185,6 +185,35 @@ class Publisher:
             for lane in self._lanes.values()
         )
 
+    async def answer(
+        self,
+        lane: str,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: bytes,
+        timeout_s: float,
+    ) -> tuple[amqp.Outcome, Any]:
+        """Publish one message as ``publish`` does and return the broker's answer,
+        ``(outcome, detail)`` (a marker record that must be in a stream before a reader
+        reads it back).
+
+        Raises:
+            TimeoutError: no answer within ``timeout_s`` seconds.
+            As ``publish``.
+        """
+        answered: asyncio.Future[tuple[amqp.Outcome, Any]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def answer(outcome: amqp.Outcome, detail: Any) -> None:
+            if not answered.done():
+                answered.set_result((outcome, detail))
+
+        self.publish(lane, exchange, routing_key, body, properties, answer)
+        async with asyncio.timeout(timeout_s):
+            return await answered
+
     def publish(
         self,
         lane: str,
