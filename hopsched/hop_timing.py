@@ -68,7 +68,9 @@ class HopTiming:
             died = dead_lettered_us(headers)
             if died is None or now - died > QUEUED_TOO_LONG_US:
                 return  # it waited in the relay queue (a backlog, no relay): not a clock
-            offset = self.stats.record_clock_sample(clock, sample)
+            offset = self.stats.record_clock_sample(
+                clock, sample, waited_up_to_us=QUEUED_TOO_LONG_US
+            )
             if offset is not None:
                 log.warning(
                     "producer %s's clock seems %+.1f s off the relay's: its due times are "

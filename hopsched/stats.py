@@ -300,19 +300,25 @@ class RelayStats:
         self._problems[key] += 1
         return self._problems[key] == 1
 
-    def record_clock_sample(self, producer: str, sample_us: int) -> int | None:
+    def record_clock_sample(
+        self, producer: str, sample_us: int, *, waited_up_to_us: int = 0
+    ) -> int | None:
         """A first hop from ``producer`` reached the relay ``sample_us`` after the hop's
-        expiry by the producer's clock (its overshoot plus the clocks' offset).
+        expiry by the producer's clock (its overshoot plus the clocks' offset, plus what
+        it may have waited in the relay queue: up to ``waited_up_to_us``).
 
         The smallest sample of an interval estimates the offset (the overshoot is a few
         ms at least). Returns the estimate (µs, positive: the producer is ahead) when it
-        first passes ``CLOCK_OFFSET_WARN_US`` in this interval, else None.
+        first passes ``CLOCK_OFFSET_WARN_US`` in this interval, else None; a producer
+        that seems behind, only past ``CLOCK_OFFSET_WARN_US + waited_up_to_us`` (hops that
+        waited for a restarting relay look like that: a trial saw "-1.2 s off").
         """
         smallest = min(sample_us, self._offset_samples.get(producer, sample_us))
         self._offset_samples[producer] = smallest
         offset_us = -smallest
         self.clock_offsets[producer] = offset_us
-        if abs(offset_us) > CLOCK_OFFSET_WARN_US and producer not in self._warned_offsets:
+        bound = CLOCK_OFFSET_WARN_US + (waited_up_to_us if offset_us < 0 else 0)
+        if abs(offset_us) > bound and producer not in self._warned_offsets:
             self._warned_offsets.add(producer)
             return offset_us
         return None

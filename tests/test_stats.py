@@ -78,3 +78,18 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
 def test_the_log_line_shows_the_gauges() -> None:
     stats = RelayStats(held_now=lambda: 7, in_flight_now=lambda: 4)
     assert "held=7 in_flight=4" in stats.report(60.0)[0]
+
+
+def test_a_producer_behind_is_warned_about_only_past_what_a_hop_may_have_waited() -> None:
+    """Found by a new-user trial: after a relay's kill -9 and restart, first hops that
+    had waited ~1.2 s in the relay queue (x-death's whole seconds let up to 2 s pass)
+    read as "producer's clock -1.2 s off". Late samples are a wait or a clock behind;
+    early ones (a producer ahead) cannot be a wait."""
+    stats = RelayStats()
+    waited = 2_000_000
+
+    assert stats.record_clock_sample("p", 1_200_000, waited_up_to_us=waited) is None
+    assert stats.record_clock_sample("p", 2_900_000, waited_up_to_us=waited) is None
+    assert stats.clock_offsets["p"] == -1_200_000  # the smallest sample, still shown
+    assert stats.record_clock_sample("q", 3_500_000, waited_up_to_us=waited) == -3_500_000
+    assert stats.record_clock_sample("r", -1_200_000, waited_up_to_us=waited) == 1_200_000
