@@ -40,6 +40,7 @@ __all__ = [
     "SHORT_STRINGS",
     "Checked",
     "ScheduleRequest",
+    "check_known_id",
     "check_properties",
     "check_request",
     "check_schedule_id",
@@ -519,6 +520,22 @@ def _check_name(name: str, value: object) -> None:
         raise InvalidScheduleError(
             f"{name} {shorten(value)}: must be a str of at most 255 bytes of UTF-8"
         )
+
+
+def check_known_id(schedule_id: str) -> str:
+    """``schedule_id`` of a schedule made before (``get``, ``cancel``, ``reschedule``):
+    as ``check_schedule_id``, but None is refused, not made a new random id (a cancel of
+    None had cancelled a fresh id and reported it done).
+
+    Raises:
+        InvalidScheduleError: as ``check_schedule_id``, and for None.
+    """
+    if schedule_id is None:
+        raise InvalidScheduleError(
+            "schedule_id=None: give the id of the schedule (the str schedule() returned "
+            "in Scheduled.schedule_id)"
+        )
+    return check_schedule_id(schedule_id)
 
 
 def check_schedule_id(schedule_id: str | None) -> str:

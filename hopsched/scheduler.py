@@ -52,8 +52,8 @@ from hopsched.policy_watch import warn_on_risk
 from hopsched.prepare import (
     Checked,
     ScheduleRequest,
+    check_known_id,
     check_request,
-    check_schedule_id,
     copy_envelope,
     due_time_us,
     encode_properties,
@@ -761,7 +761,7 @@ class Scheduler:
                 write on amq.default: the operator's grant), ChannelClosedError (404: no
                 journal, a prefix no relay of this version served yet).
         """
-        return await self._info(check_schedule_id(schedule_id), copies=False)
+        return await self._info(check_known_id(schedule_id), copies=False)
 
     async def _info(self, schedule_id: str, *, copies: bool) -> ScheduleInfo | None:
         fold = await read_journal(self.settings, only=schedule_id, copies=copies)
@@ -803,7 +803,7 @@ class Scheduler:
     def _identify(self, schedule: str | Scheduled, due: datetime | None) -> tuple[str, int | None]:
         if isinstance(schedule, Scheduled):
             return schedule.schedule_id, schedule.due_us
-        schedule_id = check_schedule_id(schedule)
+        schedule_id = check_known_id(schedule)
         if due is None:
             return schedule_id, None
         return schedule_id, due_time_us(due, None, 0)

@@ -188,6 +188,21 @@ async def test_a_flag_that_is_not_a_bool_is_refused_before_connecting(
             await scheduler.schedule_many([ScheduleRequest(b"x", "q", delay=1)], **flags)
 
 
+async def test_an_id_of_none_is_refused_by_what_takes_an_existing_schedule() -> None:
+    """Found by a new-user trial: ``cancel(None)`` cancelled a fresh random id and
+    returned a ``Cancelled``; ``get(None)`` and ``reschedule(None, ...)`` said "unknown"."""
+    scheduler = hopsched.Scheduler(hopsched.Settings(url="amqp://guest:guest@127.0.0.1:1/"))
+    calls = [
+        scheduler.cancel(None),  # type: ignore[arg-type]
+        scheduler.cancel_many([None]),  # type: ignore[list-item]
+        scheduler.get(None),  # type: ignore[arg-type]
+        scheduler.reschedule(None, delay=5),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(hopsched.InvalidScheduleError, match="schedule_id=None: give the id"):
+            await call
+
+
 def test_the_aio_pika_message_of_the_trial_is_refused() -> None:
     for priority in (300, -1):
         with pytest.raises(hopsched.InvalidScheduleError, match=f"priority={priority}"):
