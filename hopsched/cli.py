@@ -577,6 +577,11 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
         lines.append(f"  size     {info.size} bytes")
     if info.occurrence:
         lines.append(f"  recurring, occurrence {info.occurrence} (docs/recurring.md)")
+    if info.pending_copies and info.pending_copies > 1:
+        lines.append(
+            f"  {info.pending_copies} messages of this id are pending (scheduled more than "
+            "once without --replace; each is delivered); this is the newest"
+        )
     if info.origin is not None and info.origin != "recurring":
         lines.append(f"  by       {info.origin}() at {us_to_datetime(info.created_us).isoformat()}")
     for label, when in (

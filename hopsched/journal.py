@@ -347,6 +347,9 @@ class ScheduleInfo:
             relay's refresh record of it was read).
         occurrence: a recurring schedule's occurrence this is (its next, or its last
             once the chain ended); 0 for a one-shot schedule.
+        pending_copies: how many messages of this id are pending, this one included
+            (``get()``: 2 for an id scheduled twice without ``replace``, both delivered;
+            None from a listing, which keeps only the newest).
         delivered_us, parked_us, cancelled_us: when it was delivered (the broker
             confirmed the final publish, relay's clock), parked, or cancelled (the
             cancel's instant); None if not.
@@ -371,6 +374,7 @@ class ScheduleInfo:
     parked_reason: str | None = None
     copy: Copy | None = field(default=None, repr=False, compare=False)
     occurrence: int = 0
+    pending_copies: int | None = None
 
     @property
     def due(self) -> datetime:
@@ -399,6 +403,7 @@ class ScheduleInfo:
             "parked_reason": self.parked_reason,
             "cancelled": when(self.cancelled_us),
             "occurrence": self.occurrence or None,
+            "pending_copies": self.pending_copies,
         }
 
 
@@ -415,6 +420,9 @@ class _Entry:
 
 
 _OUTCOME_RANK = {PARKED: 0, DELIVERED: 1}
+#: A copy of these origins was followed by a cancel of its id's older copies (in the
+#: cancel stream, at its created instant - 1 µs): ``JournalFold.pending_copies``.
+_CANCELS_OLDER = frozenset({"replace", "reschedule"})
 
 
 def _outcome_rank(record: JournalRecord) -> tuple[int, int, str]:
@@ -470,6 +478,10 @@ class JournalFold:
         self._entries: dict[str, _Entry | JournalRecord | bytes] = {}
         self._strings: list[str | None] = [None]  # a packed record's strings, by index
         self._string_index: dict[str | None, int] = {None: 0}
+        #: With ``only``: every copy of it read (its version) and whether it had an
+        #: outcome, and every cancel's instant (``pending_copies``).
+        self._copies: dict[tuple[int, int], bool] = {}
+        self._cancels: list[int] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -478,6 +490,14 @@ class JournalFold:
         """Fold one record in (a marker is ignored)."""
         if record.op == MARKER or (self.only is not None and record.schedule_id != self.only):
             return
+        if self.only is not None:
+            if record.op == CANCELLED:
+                self._cancels.append(record.at_us)
+            else:
+                if record.origin in _CANCELS_OLDER:  # its cancel went to the cancel stream
+                    self._cancels.append(record.created_us - 1)
+                version = _version(record)
+                self._copies[version] = self._copies.get(version, False) or record.op != SCHEDULED
         entry = self._entry(record.schedule_id)
         if entry is None or isinstance(entry, JournalRecord):
             if record.op == SCHEDULED:  # an id with copies only: its newest is all there is
@@ -539,6 +559,16 @@ class JournalFold:
         found.sort()
         found.sort(key=lambda schedule_id: self.due_us(schedule_id) or 0)  # stable: by id next
         return found
+
+    def pending_copies(self) -> int:
+        """With ``only``: how many of its copies are pending (read, neither delivered nor
+        parked, nor created at or before a cancel)."""
+        last_cancel = max(self._cancels, default=-1)
+        return sum(
+            1
+            for (created_us, _), finished in self._copies.items()
+            if not finished and created_us > last_cancel
+        )
 
     def due_us(self, schedule_id: str) -> int | None:
         """The due time (µs since the epoch) of ``schedule_id``'s newest copy, None if

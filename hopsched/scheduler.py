@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -702,6 +703,13 @@ class Scheduler:
                 "and reschedule() would move one of them only. Cancel it and schedule it "
                 "anew, or schedule it anew with replace=True"
             )
+        if info.pending_copies and info.pending_copies > 1:
+            raise InvalidScheduleError(
+                f"{schedule_id!r} has {info.pending_copies} messages pending (it was "
+                "scheduled more than once without replace=True): reschedule() moves one "
+                "message and would cancel the others. Cancel it and schedule anew, or "
+                "schedule the one to keep with replace=True"
+            )
         if info.copy is None:  # only a relay's record of it (a hopsched before the journal)
             await self._write_records([Record(RESCHEDULE, schedule_id, now, due_us)])
             return Scheduled(schedule_id, due_us, self.topology.cancel_stream)
@@ -765,7 +773,10 @@ class Scheduler:
 
     async def _info(self, schedule_id: str, *, copies: bool) -> ScheduleInfo | None:
         fold = await read_journal(self.settings, only=schedule_id, copies=copies)
-        return fold.info(schedule_id, self._clock(), self._ladder.hold_window_ms * US_PER_MS)
+        info = fold.info(schedule_id, self._clock(), self._ladder.hold_window_ms * US_PER_MS)
+        if info is None:
+            return None
+        return dataclasses.replace(info, pending_copies=fold.pending_copies())
 
     async def pending(
         self,

@@ -368,3 +368,16 @@ def test_a_pending_message_always_has_a_record_younger_than_the_bound(
 
     assert widest <= retention_bound_us(top_step_ms)
     assert retention_bound_us(2**32) < JOURNAL_RETENTION_US
+
+
+def test_pending_copies_counts_the_messages_of_one_id_still_pending() -> None:
+    first, second = scheduled("a", 10, NOW + HOUR), scheduled("a", 20, NOW + 2 * HOUR)
+    replacing = scheduled("a", 30, NOW + HOUR, origin="replace")
+
+    assert fold(first, second, only="a").pending_copies() == 2
+    assert (
+        fold(first, outcome(DELIVERED, "a", 10, NOW + HOUR, 40), second, only="a").pending_copies()
+        == 1
+    )
+    assert fold(first, second, cancelled("a", 25), only="a").pending_copies() == 0
+    assert fold(second, first, replacing, only="a").pending_copies() == 1  # cancels older
