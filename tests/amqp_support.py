@@ -154,15 +154,19 @@ async def connection_rows(
 
 
 def connection_name(row: dict[str, Any]) -> str | None:
-    """The ``connection_name`` a client gave in its ``client_properties``, if any."""
-    for key, _, value in row.get("client_properties") or []:
+    """The ``connection_name`` a client gave in its ``client_properties``, if any (a
+    connection still in its handshake, another test's, lists them as ``'none'``)."""
+    properties = row.get("client_properties")
+    if not isinstance(properties, list):
+        return None
+    for key, _, value in properties:
         if key == "connection_name":
             return str(value)
     return None
 
 
 async def connection_row(
-    rabbitmqctl: Callable[..., Awaitable[str]], name: str, *fields: str, within: float = 10.0
+    rabbitmqctl: Callable[..., Awaitable[str]], name: str, *fields: str, within: float = 30.0
 ) -> dict[str, Any]:
     """The broker's row for the connection named ``name`` (it may take a moment to show)."""
     async with asyncio.timeout(within):
