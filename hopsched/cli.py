@@ -496,6 +496,7 @@ def cancel(
         except HopschedError as error:
             return results, str(error)
 
+    started_us = now_us()
     results, journal = _run(go())
     hold_us = settings.ladder.hold_window_ms * 1000
     for result in results:
@@ -508,6 +509,12 @@ def cancel(
             click.echo(f"cancel recorded {result.schedule_id}")
         elif info is None:
             click.echo(f"cancel recorded {result.schedule_id}: the journal knows no such schedule")
+        elif info.state == CANCELLED and (info.cancelled_us or 0) < started_us:
+            when = us_to_datetime(info.cancelled_us or 0).isoformat()
+            click.echo(
+                f"{result.schedule_id} was cancelled already, at {when} (was due "
+                f"{info.due.isoformat()}): nothing changed"
+            )
         elif info.state == CANCELLED:
             click.echo(f"cancelled {result.schedule_id} (was due {info.due.isoformat()})")
         else:

@@ -411,12 +411,12 @@ class _Entry:
     """One id's fold so far: its newest copy's record, that copy's latest outcome, and
     the latest cancel."""
 
-    __slots__ = ("cancelled_us", "copy", "outcome")
+    __slots__ = ("cancels", "copy", "outcome")
 
     def __init__(self) -> None:
         self.copy: JournalRecord | None = None
         self.outcome: JournalRecord | None = None
-        self.cancelled_us: int | None = None
+        self.cancels: list[int] = []  # every cancel's instant: the first that applies is shown
 
 
 _OUTCOME_RANK = {PARKED: 0, DELIVERED: 1}
@@ -508,8 +508,7 @@ class JournalFold:
             entry.copy = plain
             self._entries[record.schedule_id] = entry
         if record.op == CANCELLED:
-            if entry.cancelled_us is None or record.at_us > entry.cancelled_us:
-                entry.cancelled_us = record.at_us
+            entry.cancels.append(record.at_us)
             return
         copy = entry.copy
         version = _version(record)
@@ -630,7 +629,7 @@ def _pending_copy(entry: _Entry | JournalRecord) -> JournalRecord | None:
     copy = entry.copy
     if copy is None or entry.outcome is not None:
         return None
-    if entry.cancelled_us is not None and entry.cancelled_us >= copy.created_us:
+    if entry.cancels and max(entry.cancels) >= copy.created_us:
         return None
     return copy
 
@@ -640,20 +639,23 @@ def _info(
 ) -> ScheduleInfo | None:
     copy: JournalRecord | None
     if isinstance(entry, JournalRecord):
-        copy, outcome, cancelled = entry, None, None
+        copy, outcome, cancels = entry, None, []
     else:
-        copy, outcome, cancelled = entry.copy, entry.outcome, entry.cancelled_us
+        copy, outcome, cancels = entry.copy, entry.outcome, entry.cancels
     if copy is None:  # a cancel alone does not make an id known
         return None
     assert copy.due_us is not None
     assert copy.exchange is not None
     assert copy.routing_key is not None
+    # The first cancel that took this copy (a second cancel does not move it: a trial's
+    # get() showed a cancel a minute after the due time for one made in time).
+    cancelled = min((at for at in cancels if at >= copy.created_us), default=None)
     delivered = parked = reason = None
     if outcome is not None and outcome.op == DELIVERED:
         state, delivered = DELIVERED, outcome.at_us
     elif outcome is not None:
         state, parked, reason = PARKED, outcome.at_us, outcome.reason
-    elif cancelled is not None and cancelled >= copy.created_us:
+    elif cancelled is not None:
         state = CANCELLED
     elif copy.due_us - now_us <= hold_window_us:
         state = HELD

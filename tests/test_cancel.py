@@ -195,6 +195,13 @@ async def test_a_reschedule_earlier_is_delivered_at_the_new_time(
     )
 
 
+async def scheduler_get(settings: hopsched.Settings, schedule_id: str) -> object:
+    async with hopsched.Scheduler(settings) as scheduler:
+        info = await scheduler.get(schedule_id)
+    assert info is not None
+    return (info.state, info.cancelled_us)
+
+
 async def test_the_cli_cancels_and_reschedules(
     settings: hopsched.Settings, relay: hopsched.Relay, targets: Targets
 ) -> None:
@@ -216,6 +223,12 @@ async def test_the_cli_cancels_and_reschedules(
     [mine, other] = out.splitlines()
     assert mine.startswith(f"cancelled {schedule_id} (was due ")
     assert other == "cancel recorded other-id: the journal knows no such schedule"
+    first = await scheduler_get(settings, schedule_id)
+    status, out, err = await hopsched_cli("cancel", schedule_id, settings=settings)
+    assert status == 0, err
+    assert out.startswith(f"{schedule_id} was cancelled already, at ")  # a trial: "cancelled"
+    assert out.rstrip().endswith("nothing changed")
+    assert await scheduler_get(settings, schedule_id) == first  # its first cancel's instant
     started = time.monotonic()
     await until(lambda: relay.stats.cancelled == 2, within=30)  # the old copy and the new
     await asyncio.sleep(max(0.0, 5 - (time.monotonic() - started)))
