@@ -634,7 +634,7 @@ def get(
 @_connection_options
 @click.option("--due-before", "due_before", callback=_parse_at, help="ISO 8601 with offset.")
 @click.option("--routing-key", "routing_key", help="Only those with this routing key.")
-@click.option("--limit", type=click.IntRange(0), help="At most this many.")
+@click.option("--limit", type=click.IntRange(min=1), help="Show at most this many (1 or more).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def pending(
     url: str | None,
@@ -761,16 +761,19 @@ def status(
         ],
         _run(go()),
     )
-    checked = _check_policies(settings, management_url)
-    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json(), journal)
-    if not as_json:
-        _echo_policies(checked)
     if all(depth is None for depth in depths.values()):  # a mistyped --prefix, say
+        # The queues, every one missing, and the error; no policy lines: about queues
+        # that do not exist, they read as reassurance (a new-user trial).
+        _show_status(settings, topology, depths, nodes, as_json, records, None, journal)
         raise _NoPrefix(
             f"nothing of prefix {settings.prefix!r} exists on this broker (vhost): check "
             "--prefix and --url, or declare it with `hopsched declare` (a relay declares "
             "it when it starts)"
         )
+    checked = _check_policies(settings, management_url)
+    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json(), journal)
+    if not as_json:
+        _echo_policies(checked)
     problems = _status_problems(settings, topology, depths)
     if mismatch is not None:
         problems.insert(0, mismatch)
@@ -869,7 +872,7 @@ def _show_status(
     nodes: RelayNodes | None,
     as_json: bool,
     records: RecordTally | str,
-    policies: dict[str, Any],
+    policies: dict[str, Any] | None,
     journal: tuple[int, int | None] | str,
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)

@@ -138,6 +138,7 @@ async def test_status_of_a_prefix_with_no_queues_exits_4_saying_check_the_prefix
     assert status == EXIT_NO_PREFIX, (out, err)
     assert f"{prefix}.relay" in out
     assert "missing" in out
+    assert "polic" not in out  # a trial: "no policy in force can lose ..." of no queue
     [line] = err.splitlines()
     assert f"nothing of prefix {prefix!r} exists" in line
     assert "check --prefix" in line
