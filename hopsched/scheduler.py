@@ -46,7 +46,7 @@ from hopsched.journal import (
     ScheduleInfo,
     pack_journal,
 )
-from hopsched.journal_io import RECORDS_PER_MESSAGE, read_journal
+from hopsched.journal_io import JOURNAL_LANE, RECORDS_PER_MESSAGE, read_journal
 from hopsched.ladder import US_PER_MS, AvoidedSteps
 from hopsched.policies import PolicyReport
 from hopsched.policy_watch import warn_on_risk
@@ -215,6 +215,8 @@ class Scheduler:
         self._avoided = AvoidedSteps()
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
+        self._journal_publisher: Publisher | None = None
+        self._journal_connecting = asyncio.Lock()
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
         self._streams_declared: set[str] = set()
@@ -252,10 +254,11 @@ class Scheduler:
         check, self._policy_check = self._policy_check, None
         if check is not None:
             check.cancel()
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            await publisher.close()
-            await publisher.connection.close()
+        for publisher in (self._publisher, self._journal_publisher):
+            if publisher is not None:
+                await publisher.close()
+                await publisher.connection.close()
+        self._publisher = self._journal_publisher = None
 
     async def _connected(self) -> Publisher:
         """The open connection's publisher; connects first if there is none.
@@ -508,29 +511,61 @@ class Scheduler:
             properties = amqp.Properties(
                 content_type="application/x-hopsched-journal", delivery_mode=2
             ).encode()
-            writes = [
-                _Prepared(
-                    pack_journal(records[start : start + RECORDS_PER_MESSAGE]),
-                    properties,
-                    "",
-                    stream,
-                    stream,
-                    Scheduled("", 0, stream),
+            publisher = await self._journal_connected()
+            answers = await asyncio.gather(
+                *(
+                    publisher.answer(
+                        JOURNAL_LANE,
+                        "",
+                        stream,
+                        pack_journal(records[start : start + RECORDS_PER_MESSAGE]),
+                        properties,
+                        self.settings.publish_timeout_s,
+                    )
+                    for start in range(0, len(records), RECORDS_PER_MESSAGE)
                 )
-                for start in range(0, len(records), RECORDS_PER_MESSAGE)
-            ]
-            failures = [r for r in await self._send(writes) if isinstance(r, BaseException)]
-            if failures:
-                raise failures[0]
-        except HopschedError as error:
-            self.journal_failures += 1
-            log.warning(
-                "the journal %s did not take %d records (%s): those schedules are in the "
-                "ladder and are delivered, but get() and pending() do not know them",
-                stream,
-                len(records),
-                error,
             )
+            for outcome, detail in answers:
+                if outcome is not amqp.Outcome.ACK:
+                    raise BrokerUnavailableError(f"{outcome.value}: {detail}")
+        except TimeoutError:
+            self._journal_failed(stream, len(records), "no confirm in time")
+        except HopschedError as error:
+            self._journal_failed(stream, len(records), error)
+
+    async def _journal_connected(self) -> Publisher:
+        """The journal's own connection (opened on the first write): a stream publish the
+        broker refuses with a connection error (RabbitMQ 4.0 on Khepri: "506
+        RESOURCE_ERROR - Stream not found" just after the stream was declared, seen in
+        CI) closes it, not the ladder's, where other schedules' publishes are in flight.
+
+        Raises:
+            BrokerUnavailableError, AccessRefusedError: as ``Connector.connect``.
+        """
+        async with self._journal_connecting:  # one connection for concurrent writes
+            publisher = self._journal_publisher
+            if publisher is not None and publisher.connection.is_open:
+                return publisher
+            self._journal_publisher = None
+            if publisher is not None:
+                await publisher.close()
+                await publisher.connection.close()
+            urls, here = self.settings.urls, self._connector.url  # the scheduler's node first
+            start = urls.index(here) if here in urls else None
+            connector = Connector(self.settings, name="hopsched-journal", start=start)
+            connection = await connector.connect()
+            self._journal_publisher = Publisher(connection)
+            return self._journal_publisher
+
+    def _journal_failed(self, stream: str, count: int, error: object) -> None:
+        self.journal_failures += 1
+        log.warning(
+            "the journal %s did not take %d records (%s): those schedules are in the "
+            "ladder and are delivered, but get() and pending() do not know them",
+            stream,
+            count,
+            error,
+        )
 
     async def schedule_many(
         self,
