@@ -40,7 +40,7 @@ from hopsched.publisher import Publisher
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
-__all__ = ["JOURNAL_LANE", "READ_TIMEOUT_S", "JournalWriter", "read_journal"]
+__all__ = ["JOURNAL_LANE", "JOURNAL_PROPERTIES", "READ_TIMEOUT_S", "JournalWriter", "read_journal"]
 
 log = logging.getLogger("hopsched.journal")
 
@@ -55,7 +55,8 @@ FLUSH_AFTER_S = 0.01
 #: How long reading the journal may go without a message before it is given up, s.
 READ_TIMEOUT_S = 60.0
 _PROPERTIES = amqp.Properties(content_type="application/x-hopsched-journal", delivery_mode=2)
-_ENCODED_PROPERTIES = _PROPERTIES.encode()
+#: A journal stream message's encoded properties (a relay's, a Scheduler's, a marker's).
+JOURNAL_PROPERTIES = _PROPERTIES.encode()
 _PREFETCH = 16
 
 
@@ -114,7 +115,7 @@ class JournalWriter:
         self._in_flight += 1
         try:
             self.publisher.publish(
-                JOURNAL_LANE, "", self.stream, pack_journal(batch), _ENCODED_PROPERTIES, written
+                JOURNAL_LANE, "", self.stream, pack_journal(batch), JOURNAL_PROPERTIES, written
             )
         except (BrokerConnectionLost, ValueError) as error:
             written(amqp.Outcome.CLOSED, error)
@@ -216,7 +217,7 @@ async def read_journal(
 async def _write_marker(publisher: Publisher, stream: str, marker: str) -> None:
     record = encode_journal([JournalRecord(MARKER, marker, 0, 0)])
     outcome, detail = await publisher.answer(
-        JOURNAL_LANE, "", stream, record, _ENCODED_PROPERTIES, READ_TIMEOUT_S
+        JOURNAL_LANE, "", stream, record, JOURNAL_PROPERTIES, READ_TIMEOUT_S
     )
     if outcome is amqp.Outcome.ACK:
         return

@@ -46,7 +46,12 @@ from hopsched.journal import (
     ScheduleInfo,
     pack_journal,
 )
-from hopsched.journal_io import JOURNAL_LANE, RECORDS_PER_MESSAGE, read_journal
+from hopsched.journal_io import (
+    JOURNAL_LANE,
+    JOURNAL_PROPERTIES,
+    RECORDS_PER_MESSAGE,
+    read_journal,
+)
 from hopsched.ladder import US_PER_MS, AvoidedSteps
 from hopsched.policies import PolicyReport
 from hopsched.policy_watch import warn_on_risk
@@ -508,9 +513,6 @@ class Scheduler:
         stream = self.topology.journal_stream
         try:
             await self._stream_ready(stream)
-            properties = amqp.Properties(
-                content_type="application/x-hopsched-journal", delivery_mode=2
-            ).encode()
             publisher = await self._journal_connected()
             answers = await asyncio.gather(
                 *(
@@ -519,7 +521,7 @@ class Scheduler:
                         "",
                         stream,
                         pack_journal(records[start : start + RECORDS_PER_MESSAGE]),
-                        properties,
+                        JOURNAL_PROPERTIES,
                         self.settings.publish_timeout_s,
                     )
                     for start in range(0, len(records), RECORDS_PER_MESSAGE)
