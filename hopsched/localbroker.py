@@ -234,7 +234,13 @@ class PrivateBroker:
             process sees it (inside the installation's chroot if it has one:
             ``Installation.make_directory()``).
         config: extra ``rabbitmq.conf`` lines, e.g. ``consumer_timeout = 60000``.
-        plugins: plugins to enable, e.g. ``["rabbitmq_auth_mechanism_ssl"]``.
+        plugins: plugins to enable, e.g. ``["rabbitmq_auth_mechanism_ssl"]``: found in
+            the installation's ``plugins/`` directory or in ``plugins_dirs``.
+        plugins_dirs: more directories of plugins (each holding ``NAME-VERSION/`` plugin
+            directories or ``.ez`` archives), searched after the installation's own:
+            ``RABBITMQ_PLUGINS_DIR``, a colon-separated list
+            (https://www.rabbitmq.com/docs/relocate). With a chroot, a directory outside
+            it is copied into ``root``, where the node sees it.
         cookie: the Erlang cookie (nodes of one cluster share one); default: Erlang's
             own, made at the first start.
         management: enable the management plugin on a free loopback port
@@ -248,6 +254,7 @@ class PrivateBroker:
         config: str = "",
         plugins: Sequence[str] = (),
         *,
+        plugins_dirs: Sequence[Path] = (),
         cookie: str | None = None,
         management: bool = False,
     ) -> None:
@@ -297,6 +304,27 @@ class PrivateBroker:
             "RABBITMQ_CONF_ENV_FILE": str(inside(root / "rabbitmq-env.conf")),
             "ERL_EPMD_ADDRESS": "127.0.0.1",  # should this node have to start epmd
         }
+        if plugins_dirs:
+            self.env["RABBITMQ_PLUGINS_DIR"] = ":".join(
+                str(path) for path in self._plugins_path(plugins_dirs)
+            )
+
+    def _plugins_path(self, plugins_dirs: Sequence[Path]) -> list[Path]:
+        """The installation's ``plugins/`` and then ``plugins_dirs``, as the scripts see
+        them: a directory outside the installation's chroot is copied into ``root``."""
+        installation = self.installation
+        path = [installation.inside(installation.lib_dir / "plugins")]
+        for number, given in enumerate(plugins_dirs):
+            directory = given.resolve()
+            if not directory.is_dir():
+                raise LocalBrokerError(f"plugins directory {given} does not exist")
+            chroot = installation.chroot
+            if chroot is not None and not directory.is_relative_to(chroot):
+                copy = self.root / f"plugins-{number}"
+                shutil.copytree(directory, copy)
+                directory = copy
+            path.append(installation.inside(directory))
+        return path
 
     @property
     def url(self) -> str:
@@ -520,6 +548,7 @@ async def private_node(
     config: str = "",
     *,
     plugins: Sequence[str] = (),
+    plugins_dirs: Sequence[Path] = (),
     management: bool = False,
     khepri: bool = False,
     installation: Installation | None = None,
@@ -530,6 +559,8 @@ async def private_node(
     Args:
         config: extra ``rabbitmq.conf`` lines.
         plugins: plugins to enable.
+        plugins_dirs: more directories of plugins, after the installation's own
+            (``PrivateBroker``).
         management: the management plugin (``management_url``).
         khepri: keep the metadata in Khepri (``enable_khepri()``; RabbitMQ >= 4.0).
         installation: the RabbitMQ to run; default ``rabbitmq_installation()``.
@@ -541,7 +572,9 @@ async def private_node(
     root = installation.make_directory()
     node: PrivateBroker | None = None
     try:
-        node = PrivateBroker(installation, root, config, plugins, management=management)
+        node = PrivateBroker(
+            installation, root, config, plugins, plugins_dirs=plugins_dirs, management=management
+        )
         await node.start()
         if khepri:
             await node.enable_khepri()
@@ -631,6 +664,7 @@ async def private_cluster(
     config: str = "",
     *,
     plugins: Sequence[str] = (),
+    plugins_dirs: Sequence[Path] = (),
     management: bool = False,
     khepri: bool = False,
     installation: Installation | None = None,
@@ -646,6 +680,8 @@ async def private_cluster(
         size: how many nodes (3 lets quorum queues survive one node down).
         config: extra ``rabbitmq.conf`` lines for every node.
         plugins: plugins to enable on every node.
+        plugins_dirs: more directories of plugins, after the installation's own
+            (``PrivateBroker``).
         management: the management plugin on every node (``management_url``).
         khepri: the cluster keeps its metadata in Khepri (enabled once formed).
         installation: the RabbitMQ to run; default ``rabbitmq_installation()``.
@@ -661,7 +697,13 @@ async def private_cluster(
         for root in roots:
             cluster.nodes.append(
                 PrivateBroker(
-                    installation, root, config, plugins, cookie=cookie, management=management
+                    installation,
+                    root,
+                    config,
+                    plugins,
+                    plugins_dirs=plugins_dirs,
+                    cookie=cookie,
+                    management=management,
                 )
             )
         await asyncio.gather(*(node.start() for node in cluster.nodes))

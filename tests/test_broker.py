@@ -15,7 +15,7 @@ import pytest
 from broker import PrivateBroker, require_rabbitmq
 from support import message_count
 
-from hopsched.localbroker import private_cluster, private_node
+from hopsched.localbroker import LocalBrokerError, private_cluster, private_node
 
 #: The fault tests' machinery: in the slow tier with them (the demo's tests start a node too).
 pytestmark = pytest.mark.slow
@@ -77,6 +77,52 @@ async def test_the_node_runs_the_chosen_installation_in_its_own_directory(
     data = installation.host_path(Path(status["data_directory"]))
     assert data.is_relative_to(private_broker.root)
     print(f"\nnode {private_broker.node}: RabbitMQ {installation.version} ({installation})")
+
+
+#: A plugin the test writes: an Erlang application with no code (only its ``.app`` file)
+#: that depends on a plugin shipped with RabbitMQ, so enabling it enables that one too.
+PROBE_PLUGIN = "hopsched_probe_plugin"
+PROBE_APP = f"""{{application, {PROBE_PLUGIN}, [
+    {{description, "hopsched test: a plugin found in an extra plugins directory"}},
+    {{vsn, "1.0.0"}}, {{modules, []}}, {{registered, []}},
+    {{applications, [kernel, stdlib, rabbit_common, rabbit, rabbitmq_random_exchange]}},
+    {{env, []}}, {{broker_version_requirements, []}}
+]}}.
+"""
+
+
+async def test_a_plugin_in_an_extra_plugins_directory_is_enabled(tmp_path: Path) -> None:
+    """``plugins_dirs`` (``RABBITMQ_PLUGINS_DIR``) comes after the installation's own
+    directory: the plugin found there runs, and the dependency it names is found in the
+    installation's (its ``x-random`` exchange type works). With a chroot, ``tmp_path``
+    (outside it) is copied into the node's directory."""
+    ebin = tmp_path / f"{PROBE_PLUGIN}-1.0.0" / "ebin"
+    ebin.mkdir(parents=True)
+    (ebin / f"{PROBE_PLUGIN}.app").write_text(PROBE_APP)
+
+    async with private_node(
+        plugins=[PROBE_PLUGIN], plugins_dirs=[tmp_path], installation=require_rabbitmq()
+    ) as node:
+        running = await node.rabbitmqctl(
+            "eval", "[A || {A, _, _} <- application:which_applications()]."
+        )
+        connection = await aio_pika.connect(node.url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.declare_exchange("probe-random", "x-random", auto_delete=True)
+
+    assert PROBE_PLUGIN in running
+    assert "rabbitmq_random_exchange" in running
+
+
+async def test_a_missing_plugins_directory_is_refused_before_a_node_starts(
+    tmp_path: Path,
+) -> None:
+    missing_dir = tmp_path / "no-such-directory"
+
+    with pytest.raises(LocalBrokerError, match="no-such-directory does not exist"):
+        async with private_node(plugins_dirs=[missing_dir], installation=require_rabbitmq()):
+            pass
 
 
 def is_gone(node: PrivateBroker) -> bool:
