@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -83,6 +84,11 @@ RESTORE_STREAM_COORDINATOR = (
     "filelib:is_dir(filename:join(D, F))] -- Known, "
     "ok = dets:insert(R, {rabbit_stream_coordinator, U}), ok = dets:sync(R), "
     "rabbit_stream_coordinator:recover()."
+)
+#: The running plugins as ``"NAME/VERSION"`` strings.
+ACTIVE_PLUGINS = (
+    '[atom_to_list(A) ++ "/" ++ V || {A, _, V} <- application:which_applications(), '
+    "lists:member(A, rabbit_plugins:active())]."
 )
 #: Seconds a node may take to start and accept an AMQP login.
 START_TIMEOUT_S = 90.0
@@ -469,6 +475,13 @@ class PrivateBroker:
             if fields[:1] == [KHEPRI_FLAG]:
                 return "khepri" if fields[1:2] == ["enabled"] else "mnesia"
         return "mnesia"  # RabbitMQ < 4.0 knows no Khepri
+
+    async def active_plugins(self) -> dict[str, str]:
+        """The plugins running on the node (enabled ones and their dependencies), each
+        with its version: ``rabbit_plugins:active()`` and the applications' versions."""
+        out = await self.rabbitmqctl("eval", ACTIVE_PLUGINS)
+        pairs = (name.rpartition("/") for name in re.findall(r'"([^"]+)"', out))
+        return {name: version for name, _, version in pairs}
 
     @property
     def rabbitmqctl_command(self) -> list[str]:

@@ -103,16 +103,14 @@ async def test_a_plugin_in_an_extra_plugins_directory_is_enabled(tmp_path: Path)
     async with private_node(
         plugins=[PROBE_PLUGIN], plugins_dirs=[tmp_path], installation=require_rabbitmq()
     ) as node:
-        running = await node.rabbitmqctl(
-            "eval", "[A || {A, _, _} <- application:which_applications()]."
-        )
+        plugins = await node.active_plugins()
         connection = await aio_pika.connect(node.url)
         async with connection:
             channel = await connection.channel()
             await channel.declare_exchange("probe-random", "x-random", auto_delete=True)
 
-    assert PROBE_PLUGIN in running
-    assert "rabbitmq_random_exchange" in running
+    assert plugins[PROBE_PLUGIN] == "1.0.0"
+    assert plugins["rabbitmq_random_exchange"] == node.installation.version
 
 
 async def test_a_missing_plugins_directory_is_refused_before_a_node_starts(
