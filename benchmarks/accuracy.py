@@ -31,6 +31,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
 
+from bench_measure import use_rabbitmqctl
 from bench_report import burst_table, decade_table, markdown_table, plot, throughput_summary
 from bench_run import Progress, Run, Session, measure_strategy, run_workload
 from bench_scenarios import (
@@ -48,6 +49,8 @@ import hopsched
 from hopsched import mask_url
 from hopsched.durations import parse_duration
 
+#: The scenarios that run a paced workload: ``--rabbitmq`` may name several installations.
+PACED = ("quick", "standard", "mixed", "custom")
 SCENARIOS: dict[str, dict[str, Any]] = {
     "quick": {"count": 500, "rate": 100.0, "delays": "loguniform:10ms:5s"},
     "standard": {"count": 5000, "rate": 500.0, "delays": "loguniform:10ms:10m"},
@@ -156,9 +159,55 @@ async def run_strategies(
 
 
 async def _main(options: dict[str, Any]) -> dict[str, Any]:
-    if options["cluster"] or options["installations"]:
+    if options["cluster"] or (options["installations"] and options["scenario"] in PACED):
         return await _main_private(options)
-    url = options["url"]
+    if options["installations"]:
+        return await _main_private_node(options)
+    return await _main_on(options["url"], options)
+
+
+def _private_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``private_node``'s and ``private_cluster``'s arguments from ``--plugins-dir`` and
+    ``--enable-plugin``; none when not given (a hopsched measured through
+    ``--hopsched-path`` may predate ``plugins_dirs``)."""
+    given = {"plugins": options["enable_plugins"], "plugins_dirs": options["plugins_dirs"]}
+    return {key: list(value) for key, value in given.items() if value}
+
+
+async def _node_plugins(node: Any) -> dict[str, str] | None:
+    """The plugins running on private node ``node`` with their versions; None from a
+    hopsched (``--hopsched-path``) whose ``PrivateBroker`` cannot tell."""
+    if not hasattr(node, "active_plugins"):
+        return None
+    plugins: dict[str, str] = await node.active_plugins()
+    return plugins
+
+
+async def _main_private_node(options: dict[str, Any]) -> dict[str, Any]:
+    """A scenario that is not paced (throughput, burst, backlog) on a private node of the
+    one installation ``--rabbitmq`` gives."""
+    from hopsched.localbroker import private_node
+
+    [installation] = options["installations"]
+    async with private_node(installation=installation, **_private_options(options)) as node:
+        use_rabbitmqctl(node.rabbitmqctl_command)
+        try:
+            result = await _main_on(node.url, options)
+        finally:
+            use_rabbitmqctl(None)
+        label = f"RabbitMQ {installation.version}"
+        result["machine"]["note"] = (
+            f"a private RabbitMQ node ({label}), relay and load generator share this "
+            "machine with other work"
+        )
+        result["broker"]["url"] = None
+        result["brokers"] = {label: {**result["broker"], "plugins": await _node_plugins(node)}}
+        result["rss_bytes_after_run"] = {label: node.rss_bytes()}
+    return result
+
+
+async def _main_on(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The chosen scenario on the broker at ``url``."""
     run_id = uuid.uuid4().hex[:6]
     result: dict[str, Any] = {
         "scenario": options["scenario"],
@@ -231,16 +280,23 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
     ``--cluster``: hopsched-quorum on one node, then on a three-node cluster (URLs of all
     three); ``--rabbitmq``: the chosen strategies on one node of each installation."""
     # here, not at the top: a hopsched measured through --hopsched-path may predate it
-    from hopsched.localbroker import private_cluster, private_node
+    from hopsched.localbroker import PrivateCluster, private_cluster, private_node
 
     setups: list[tuple[str, Callable[[], Any]]]
+    extra = _private_options(options)
     if options["cluster"]:
         names = ["hopsched-quorum"]
-        setups = [("1 node", private_node), ("3-node cluster", lambda: private_cluster(3))]
+        setups = [
+            ("1 node", functools.partial(private_node, **extra)),
+            ("3-node cluster", functools.partial(private_cluster, 3, **extra)),
+        ]
     else:
         names = options["strategies"]
         setups = [
-            (f"RabbitMQ {found.version}", functools.partial(private_node, installation=found))
+            (
+                f"RabbitMQ {found.version}",
+                functools.partial(private_node, installation=found, **extra),
+            )
             for found in options["installations"]
         ]
     workload = Workload(
@@ -259,10 +315,15 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
     load_start = _load()
     for number, (label, start) in enumerate(setups):
         async with start() as broker:
-            brokers[label] = await _broker(broker.url)
-            got, got_runs = await run_strategies(
-                broker.url, names, workload, f"{run_id}{number}", options["prefetch"]
-            )
+            node = broker.nodes[0] if isinstance(broker, PrivateCluster) else broker
+            brokers[label] = await _broker(broker.url) | {"plugins": await _node_plugins(node)}
+            use_rabbitmqctl(node.rabbitmqctl_command)  # its queue depths, not another node's
+            try:
+                got, got_runs = await run_strategies(
+                    broker.url, names, workload, f"{run_id}{number}", options["prefetch"]
+                )
+            finally:
+                use_rabbitmqctl(None)
             memory[label] = broker.rss_bytes()
         rows |= {f"{name} ({label})": row for name, row in got.items()}
         runs |= {f"{name} ({label})": run for name, run in got_runs.items()}
@@ -282,7 +343,11 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
             "note": f"private RabbitMQ nodes ({', '.join(brokers)}, one after the other), "
             "relay and load generator share this machine with other work",
         },
-        "broker": {**first, "version": " and ".join(versions), "url": None},
+        "broker": {
+            **{key: value for key, value in first.items() if key != "plugins"},
+            "version": " and ".join(versions),
+            "url": None,
+        },
         "brokers": brokers,
         "rss_bytes_after_run": memory,
         "hopsched": _hopsched_version(),
@@ -308,17 +373,20 @@ def _installations(given: str | None, options: dict[str, Any]) -> list[Any]:
         return []
     from hopsched.localbroker import installation_in, machine_installation
 
-    if options["cluster"] or options["scenario"] in ("throughput", "burst", "backlog"):
-        raise click.BadParameter(
-            "runs the paced scenarios (quick, standard, mixed, custom), without --cluster",
-            param_hint="--rabbitmq",
-        )
+    if options["cluster"]:
+        raise click.BadParameter("not with --cluster", param_hint="--rabbitmq")
     found = []
     for part in (part.strip() for part in given.split(",") if part.strip()):
         installation = machine_installation() if part == "machine" else installation_in(Path(part))
         if installation is None:
             raise click.BadParameter(f"no RabbitMQ installation in {part}", param_hint="--rabbitmq")
         found.append(installation)
+    if len(found) > 1 and options["scenario"] not in PACED:
+        raise click.BadParameter(
+            f"the {options['scenario']} scenario runs on one installation; several only for "
+            f"the paced scenarios ({', '.join(PACED)})",
+            param_hint="--rabbitmq",
+        )
     return found
 
 
@@ -403,6 +471,22 @@ def _run_cancellable(coroutine: Any) -> Any:
     "(this machine's own) or a chroot directory holding another (e.g. RabbitMQ 4.0.5 from "
     ".ci/rabbitmq4, /opt/hopsched-rabbitmq4); --url is not used.",
 )
+@click.option(
+    "--plugins-dir",
+    "plugins_dirs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="With --rabbitmq or --cluster: a directory of more RabbitMQ plugins for the private "
+    "nodes, searched after the installation's own (repeatable).",
+)
+@click.option(
+    "--enable-plugin",
+    "enable_plugins",
+    multiple=True,
+    metavar="NAME",
+    help="With --rabbitmq or --cluster: enable this plugin on the private nodes, e.g. "
+    "rabbitmq_delayed_message_exchange (repeatable).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
@@ -449,6 +533,13 @@ def main(**options: Any) -> None:
         )
     options["strategies"] = names
     options["installations"] = _installations(options["installations"], options)
+    if (options["plugins_dirs"] or options["enable_plugins"]) and not (
+        options["installations"] or options["cluster"]
+    ):
+        raise click.BadParameter(
+            "they are for private nodes: add --rabbitmq or --cluster",
+            param_hint="--plugins-dir/--enable-plugin",
+        )
     try:
         result = _run_cancellable(_main(options))
     except (KeyboardInterrupt, asyncio.CancelledError):

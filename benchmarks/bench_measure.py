@@ -9,7 +9,7 @@ import json
 import shutil
 import subprocess
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "queue_depths",
     "stop_process",
     "summarize",
+    "use_rabbitmqctl",
 ]
 
 #: Headers the benchmark puts on messages of the strategies other than hopsched,
@@ -300,13 +301,24 @@ class ProcessSampler:
                 await self._task
 
 
+#: The command that runs ``rabbitmqctl`` against the measured broker (``use_rabbitmqctl``).
+_RABBITMQCTL: list[str] = ["rabbitmqctl"]
+
+
+def use_rabbitmqctl(command: Sequence[str] | None) -> None:
+    """Read the broker's memory and queue depths with ``command`` (a prefix such as a
+    private node's ``PrivateBroker.rabbitmqctl_command``); None: plain ``rabbitmqctl``,
+    which reaches this machine's own node."""
+    _RABBITMQCTL[:] = list(command or ["rabbitmqctl"])
+
+
 def _rabbitmqctl(*args: str) -> Any:
     """``rabbitmqctl -q ARGS --formatter json`` parsed, or None (no rabbitmqctl, not root)."""
-    if shutil.which("rabbitmqctl") is None:
+    if _RABBITMQCTL == ["rabbitmqctl"] and shutil.which("rabbitmqctl") is None:
         return None
     try:
         result = subprocess.run(
-            ["rabbitmqctl", "-q", *args, "--formatter", "json"],
+            [*_RABBITMQCTL, "-q", *args, "--formatter", "json"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -16,6 +16,9 @@ Fixtures (registered by ``conftest.py``):
   starts a node with extra ``rabbitmq.conf`` lines (and ``plugins=[...]`` enabled); every
   node started is killed and its directory removed when the test ends, passed or failed.
 
+``write_probe_plugin(directory)`` writes a small plugin there, for the nodes'
+``plugins_dirs``.
+
 Where RabbitMQ is not installed the tests using them are skipped, with the reason,
 except under ``CI=true``, where they fail: CI must not pass without running them.
 """
@@ -42,6 +45,8 @@ from hopsched.localbroker import (
 )
 
 __all__ = [
+    "PROBE_PLUGIN",
+    "PROBE_PLUGIN_VERSION",
     "PrivateBroker",
     "freeze",
     "khepri",
@@ -50,6 +55,7 @@ __all__ = [
     "require_rabbitmq",
     "seen_by_nodes",
     "start_private_broker",
+    "write_probe_plugin",
 ]
 
 #: ``1``: private nodes keep their metadata in Khepri (RabbitMQ >= 4.0).
@@ -79,6 +85,28 @@ async def freeze(pid: int, within: float = 5.0) -> None:
             return
         await asyncio.sleep(0.005)
     pytest.fail(f"process {pid} did not stop within {within} s of SIGSTOP")
+
+
+#: A plugin ``write_probe_plugin`` writes: an Erlang application with no code (only its
+#: ``.app`` file) that depends on a plugin shipped with RabbitMQ, so enabling it enables
+#: that one too (its ``x-random`` exchange type).
+PROBE_PLUGIN = "hopsched_probe_plugin"
+PROBE_PLUGIN_VERSION = "1.0.0"
+_PROBE_APP = f"""{{application, {PROBE_PLUGIN}, [
+    {{description, "hopsched test: a plugin found in an extra plugins directory"}},
+    {{vsn, "{PROBE_PLUGIN_VERSION}"}}, {{modules, []}}, {{registered, []}},
+    {{applications, [kernel, stdlib, rabbit_common, rabbit, rabbitmq_random_exchange]}},
+    {{env, []}}, {{broker_version_requirements, []}}
+]}}.
+"""
+
+
+def write_probe_plugin(plugins_dir: Path) -> None:
+    """Write ``PROBE_PLUGIN`` (``NAME-VERSION/ebin/NAME.app``) into ``plugins_dir``, a
+    directory for ``private_node(plugins_dirs=...)``."""
+    ebin = plugins_dir / f"{PROBE_PLUGIN}-{PROBE_PLUGIN_VERSION}" / "ebin"
+    ebin.mkdir(parents=True)
+    (ebin / f"{PROBE_PLUGIN}.app").write_text(_PROBE_APP)
 
 
 def khepri() -> bool:

@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+from broker import PROBE_PLUGIN, PROBE_PLUGIN_VERSION, require_rabbitmq, write_probe_plugin
+
 from hopsched.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -247,3 +250,31 @@ def test_hops_by_decade_bounds_and_table() -> None:
     assert "| hopsched-quorum | [1 s, 10 s) | 3 | 2.67 | 3 | 6 | 1 |" in table
     assert "per-message-ttl" not in table
     assert report.decade_table({"per-message-ttl": {"mean_hops": 1.0}}) == ""
+
+
+@pytest.mark.slow
+def test_a_burst_on_a_private_node_with_a_plugin_from_another_directory(tmp_path: Path) -> None:
+    """--rabbitmq runs the burst scenario on a private node; --plugins-dir and
+    --enable-plugin give it a plugin from a directory of its own, which the JSON lists
+    with the plugins the node ran. The installation is the private-node tests' own."""
+    installation = require_rabbitmq()
+    chosen = "machine" if installation.chroot is None else str(installation.chroot)
+    plugins_dir = tmp_path / "plugins"
+    write_probe_plugin(plugins_dir)
+    out = tmp_path / "out.json"
+    command = [
+        sys.executable, str(SCRIPT), "--scenario", "burst", "--rabbitmq", chosen,
+        "--plugins-dir", str(plugins_dir), "--enable-plugin", PROBE_PLUGIN,
+        "--burst-counts", "50", "--burst-lead", "1s",
+        "--strategies", "delayed-exchange,broker-floor", "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    [broker] = report["brokers"].values()
+    assert broker["version"] == installation.version
+    assert broker["plugins"][PROBE_PLUGIN] == PROBE_PLUGIN_VERSION
+    assert report["broker"]["url"] is None
+    row = report["strategies"]["broker-floor, 50 at once"]
+    assert (row["scheduled"], row["delivered"], row["lost"], row["early"]) == (50, 50, 0, 0)
+    assert "delayed-exchange, 50 at once" in report["strategies"]  # available or not

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import aio_pika
 import pytest
-from broker import PrivateBroker, require_rabbitmq
+from broker import (
+    PROBE_PLUGIN,
+    PROBE_PLUGIN_VERSION,
+    PrivateBroker,
+    require_rabbitmq,
+    write_probe_plugin,
+)
 from support import message_count
 
 from hopsched.localbroker import LocalBrokerError, private_cluster, private_node
@@ -79,26 +85,12 @@ async def test_the_node_runs_the_chosen_installation_in_its_own_directory(
     print(f"\nnode {private_broker.node}: RabbitMQ {installation.version} ({installation})")
 
 
-#: A plugin the test writes: an Erlang application with no code (only its ``.app`` file)
-#: that depends on a plugin shipped with RabbitMQ, so enabling it enables that one too.
-PROBE_PLUGIN = "hopsched_probe_plugin"
-PROBE_APP = f"""{{application, {PROBE_PLUGIN}, [
-    {{description, "hopsched test: a plugin found in an extra plugins directory"}},
-    {{vsn, "1.0.0"}}, {{modules, []}}, {{registered, []}},
-    {{applications, [kernel, stdlib, rabbit_common, rabbit, rabbitmq_random_exchange]}},
-    {{env, []}}, {{broker_version_requirements, []}}
-]}}.
-"""
-
-
 async def test_a_plugin_in_an_extra_plugins_directory_is_enabled(tmp_path: Path) -> None:
     """``plugins_dirs`` (``RABBITMQ_PLUGINS_DIR``) comes after the installation's own
     directory: the plugin found there runs, and the dependency it names is found in the
     installation's (its ``x-random`` exchange type works). With a chroot, ``tmp_path``
     (outside it) is copied into the node's directory."""
-    ebin = tmp_path / f"{PROBE_PLUGIN}-1.0.0" / "ebin"
-    ebin.mkdir(parents=True)
-    (ebin / f"{PROBE_PLUGIN}.app").write_text(PROBE_APP)
+    write_probe_plugin(tmp_path)
 
     async with private_node(
         plugins=[PROBE_PLUGIN], plugins_dirs=[tmp_path], installation=require_rabbitmq()
@@ -109,7 +101,7 @@ async def test_a_plugin_in_an_extra_plugins_directory_is_enabled(tmp_path: Path)
             channel = await connection.channel()
             await channel.declare_exchange("probe-random", "x-random", auto_delete=True)
 
-    assert plugins[PROBE_PLUGIN] == "1.0.0"
+    assert plugins[PROBE_PLUGIN] == PROBE_PLUGIN_VERSION
     assert plugins["rabbitmq_random_exchange"] == node.installation.version
 
 
