@@ -4,7 +4,9 @@ Deliveries on a channel carry increasing tags, but the relay finishes them out o
 order (a held message waits up to the hold window; a hop is done at its confirm). Once
 per event-loop iteration, the finished run at the front of the outstanding tags is
 acked with one ``multiple=true`` ack, and any finished tag behind an unfinished one is
-acked alone, so no finished delivery keeps its prefetch slot.
+acked alone, so no finished delivery keeps its prefetch slot. The acks go lazily: with
+the connection's next write, 5 ms later at the latest (``hopsched.amqp.connection.LAZY_SEND_S``), so
+that a paced relay's ack rides with its next publish instead of costing a write.
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ class Acker:
                 break
             outstanding.popleft()
         if last is not None:
-            self._channel.ack(last, multiple=True)
+            self._channel.ack(last, multiple=True, lazy=True)
         for tag in finished:
-            self._channel.ack(tag)
+            self._channel.ack(tag, lazy=True)
         sent.update(finished)
         finished.clear()
         if not len(self):

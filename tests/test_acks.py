@@ -19,7 +19,8 @@ class RecordingChannel:
     def __init__(self) -> None:
         self.sent: list[tuple[str, int, bool]] = []
 
-    def ack(self, tag: int, *, multiple: bool = False) -> None:
+    def ack(self, tag: int, *, multiple: bool = False, lazy: bool = False) -> None:
+        assert lazy  # the Acker's acks ride with the connection's next write
         self.sent.append(("ack", tag, multiple))
 
     def nack(self, tag: int, *, requeue: bool) -> None:

@@ -18,6 +18,7 @@ from support import Cleanup
 
 from hopsched import amqp
 from hopsched.amqp import Outcome, Properties
+from hopsched.amqp.connection import LAZY_SEND_S
 
 
 @pytest.fixture
@@ -263,3 +264,52 @@ async def test_an_on_cancel_that_raises_is_logged_and_the_channel_goes_on(
     assert connection.is_open
     assert channel.is_open
     assert "a bug in on_cancel" in caplog.text
+
+
+async def test_a_lazy_ack_is_sent_on_its_own_and_coalesced_reads_miss_nothing(
+    connection: amqp.Connection, broker_url: str, cleanup: Cleanup
+) -> None:
+    """A lazy ack with nothing else to write still reaches the broker (within
+    ``LAZY_SEND_S``): after it, a dropped connection redelivers nothing. With reads
+    coalesced (``coalesce_reads``), paced deliveries and confirms all arrive, in order,
+    and the acks of all of them take effect."""
+    channel = await confirming(connection)
+    queue = await declare(channel, cleanup)
+    outcomes = Outcomes()
+    channel.publish("", queue, b"first", encoded(), callback=outcomes.callback(0))
+    await outcomes.wait()
+    deliveries = Deliveries()
+    await channel.consume(queue, deliveries.on_delivery, deliveries.on_cancel)
+    (first,) = await deliveries.wait_for(1)
+    channel.ack(first.delivery_tag, lazy=True)
+    await asyncio.sleep(LAZY_SEND_S + 0.1)  # nothing else is written meanwhile
+    connection.abort()  # no close: what was not sent is lost with the socket
+
+    coalescing: amqp.Connection = await open_connection(broker_url)
+    try:
+        coalescing.coalesce_reads(0.02)  # long, so that reads are really put off
+        channel = await confirming(coalescing)
+        deliveries = Deliveries()
+        await channel.consume(queue, deliveries.on_delivery, deliveries.on_cancel)
+        await asyncio.sleep(0.3)
+        assert deliveries.received == [], "the lazily acked message came back"
+        outcomes = Outcomes()
+        for index in range(50):  # paced: each read brings little
+            channel.publish("", queue, b"%d" % index, encoded(), callback=outcomes.callback(index))
+            await asyncio.sleep(0.002)
+        await outcomes.wait()
+        got = await deliveries.wait_for(50)
+        assert [delivery.body for delivery in got] == [b"%d" % index for index in range(50)]
+        for delivery in got:
+            channel.ack(delivery.delivery_tag, lazy=True)
+        await asyncio.sleep(LAZY_SEND_S + 0.1)
+    finally:
+        coalescing.abort()
+    check: amqp.Connection = await open_connection(broker_url)
+    try:
+        channel = await check.channel()
+        reply = await channel.call(commands.Queue.Declare(queue=queue, passive=True))
+        assert isinstance(reply, commands.Queue.DeclareOk)
+        assert reply.message_count == 0, "an ack sent lazily never reached the broker"
+    finally:
+        await check.close()

@@ -288,11 +288,12 @@ class Channel:
         else:
             self._held.append(frames)
 
-    def ack(self, delivery_tag: int, *, multiple: bool = False) -> None:
-        """Acknowledge a delivery (or all up to it). Ignored once the channel is closed:
-        the broker then requeues what was unacknowledged."""
+    def ack(self, delivery_tag: int, *, multiple: bool = False, lazy: bool = False) -> None:
+        """Acknowledge a delivery (or all up to it); ``lazy``: sent with the connection's
+        next write, ``LAZY_SEND_S`` later at the latest (``Connection.send``). Ignored once
+        the channel is closed: the broker then requeues what was unacknowledged."""
         if self._error is None:
-            self.connection.send(ack_frame(self.number, delivery_tag, multiple))
+            self.connection.send(ack_frame(self.number, delivery_tag, multiple), lazy=lazy)
 
     def nack(self, delivery_tag: int, *, requeue: bool) -> None:
         if self._error is None:

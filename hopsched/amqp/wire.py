@@ -78,7 +78,7 @@ class FrameReader:
         self._buffer = bytearray()
         self.frame_max = frame_max
 
-    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+    def feed(self, data: bytes | memoryview) -> list[tuple[int, int, bytes]]:
         """Add ``data`` and return every frame it completes, in order.
 
         Raises:
