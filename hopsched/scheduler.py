@@ -220,6 +220,7 @@ class Scheduler:
         self._avoided = AvoidedSteps()
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
+        self._login = self.settings.login  # parsed from the URL once, not per call
         self._journal_publisher: Publisher | None = None
         self._journal_connecting = asyncio.Lock()
         self._connecting: asyncio.Future[Publisher] | None = None
@@ -514,19 +515,19 @@ class Scheduler:
         try:
             await self._stream_ready(stream)
             publisher = await self._journal_connected()
-            answers = await asyncio.gather(
-                *(
-                    publisher.answer(
-                        JOURNAL_LANE,
-                        "",
-                        stream,
-                        pack_journal(records[start : start + RECORDS_PER_MESSAGE]),
-                        JOURNAL_PROPERTIES,
-                        self.settings.publish_timeout_s,
-                    )
-                    for start in range(0, len(records), RECORDS_PER_MESSAGE)
+            writes = [
+                publisher.answer(
+                    JOURNAL_LANE,
+                    "",
+                    stream,
+                    pack_journal(records[start : start + RECORDS_PER_MESSAGE]),
+                    JOURNAL_PROPERTIES,
+                    self.settings.publish_timeout_s,
                 )
-            )
+                for start in range(0, len(records), RECORDS_PER_MESSAGE)
+            ]
+            # one write (a lone schedule()) is awaited as it is: no gather's tasks
+            answers = [await writes[0]] if len(writes) == 1 else await asyncio.gather(*writes)
             for outcome, detail in answers:
                 if outcome is not amqp.Outcome.ACK:
                     raise BrokerUnavailableError(f"{outcome.value}: {detail}")
@@ -938,7 +939,7 @@ class Scheduler:
             ladder=self._ladder,
             topology=self.topology,
             targets=self._targets,
-            login=self.settings.login,
+            login=self._login,
             frame_max=publisher.connection.frame_max if publisher is not None else 131_072,
             max_body_bytes=self.settings.max_message_size,
         )
