@@ -336,7 +336,8 @@ class RelayStats:
             f"parked={totals.parked} reconnects={totals.reconnects} "
             f"hop_nacks={totals.hop_nacks} returned_early={totals.returned_early}"
             + (
-                f" recurring links={totals.links} missed={totals.missed} "
+                f" recurring occurrences={totals.recurring_delivered} links={totals.links} "
+                f"missed={totals.missed} ended={sum(totals.chains_ended.values())} "
                 f"lineages={totals.lineages} superseded={totals.superseded}"
                 if totals.links
                 else ""
