@@ -405,7 +405,4 @@ class Decider:
         wait_ms = min(RETRY_FIRST_MS << min(envelope.retries, 16), RETRY_MAX_MS)
         left_ms = (since_us + self.retry_for_us - now_us) // US_PER_MS
         wait_ms = max(min(wait_ms, left_ms), self.ladder.min_step_ms)
-        step = self.ladder.min_step_ms
-        while step * 2 <= min(wait_ms, self.ladder.max_step_ms):
-            step *= 2
-        return Hop(step)
+        return Hop(self.ladder.step_at_most(wait_ms))

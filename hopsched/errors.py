@@ -14,6 +14,7 @@ __all__ = [
     "HopschedError",
     "InvalidScheduleError",
     "InvalidSettingsError",
+    "LadderMismatchError",
     "ManagementAPIError",
     "MessageTooLargeError",
     "MetricsEndpointError",
@@ -95,6 +96,41 @@ class TopologyMismatchError(HopschedError):
             f"{kind} {queue!r} already exists with {argument}={existing}, but this "
             f"configuration declares {argument}={wanted}. Fix: {fix}. Broker said: "
             f"{broker_text}"
+        )
+
+
+class LadderMismatchError(TopologyMismatchError):
+    """The prefix's step queues are another ladder's: this process would publish into
+    steps nothing else declares (``Topology.check_ladder``). Not worth retrying.
+
+    Attributes:
+        prefix: the prefix.
+        wanted: this process's ladder, as settings (``Ladder.description``).
+        existing: the steps found on the broker, as settings where they form a ladder.
+        missing: the step queues this ladder has and the broker does not.
+    """
+
+    def __init__(self, prefix: str, wanted: str, existing: str, missing: list[str]) -> None:
+        self.prefix = prefix
+        self.queue = missing[0]
+        self.argument = "ladder"
+        self.wanted = wanted
+        self.existing = existing
+        self.missing = missing
+        self.broker_text = ""
+        shown = ", ".join(missing[:3])
+        if len(missing) > 3:
+            shown += f" and {len(missing) - 3} more"
+        HopschedError.__init__(
+            self,
+            f"prefix {prefix!r} was declared with another ladder: the broker has {existing}, "
+            f"this process's settings give {wanted}, whose step queues {shown} do not "
+            "exist (its hops would go into queues the prefix's relays did not declare). "
+            "Fix: give every Scheduler and relay of the prefix the same ladder "
+            "(HOPSCHED_STEP_RATIO, HOPSCHED_MIN_STEP_MS, HOPSCHED_MAX_STEP_MS; Settings."
+            "step_ratio, min_step_ms, max_step_ms), here the broker's; to change the "
+            "prefix's ladder, use a new prefix, or stop its relays once it is empty and "
+            f"run `hopsched teardown --prefix {prefix}` first",
         )
 
 

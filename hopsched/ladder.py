@@ -16,10 +16,13 @@ __all__ = [
     "BROKER_MAX_TTL_MS",
     "MAX_HOLD_MS",
     "MAX_STEP_MS",
+    "STEP_RATIOS",
     "AvoidedSteps",
     "Hold",
     "Hop",
     "Ladder",
+    "describe_steps",
+    "ladder_of",
 ]
 
 #: The longest a relay may hold a delivery unacked, far below RabbitMQ's
@@ -36,6 +39,11 @@ BROKER_MAX_TTL_MS = 315_360_000_000
 MAX_STEP_MS = 2**32
 
 US_PER_MS = 1_000
+
+#: The ratios between neighbouring steps a ladder may have: 2 (the default, every power
+#: of two: the fewest hops and the least lateness) or 4 (every power of four: about half
+#: the step queues, for brokers where each queue costs, docs/operations.md).
+STEP_RATIOS = (2, 4)
 
 #: How long a step queue that nacked a publish is routed around, µs: a quorum queue
 #: whose leader's node went down elects a new one within a few seconds (measured in
@@ -61,14 +69,22 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+def _exponent(value: int) -> int:
+    """log2 of a power of two."""
+    return value.bit_length() - 1
+
+
 @dataclass(frozen=True, slots=True)
 class Ladder:
-    """The steps (TTLs 2^k ms from ``min_step_ms`` to ``max_step_ms``) and the planner.
+    """The steps (TTLs from ``min_step_ms`` to ``max_step_ms``, each ``step_ratio`` times
+    the one below) and the planner.
 
     Args:
-        min_step_ms: smallest step TTL in ms, a power of two.
-        max_step_ms: largest step TTL in ms, a power of two, at most ``MAX_STEP_MS``
-            (2**32); longer delays reuse it as often as needed.
+        min_step_ms: smallest step TTL in ms, a power of two (with ``step_ratio`` 4, a
+            power of four: 16, 64, 256, 1024 ...).
+        max_step_ms: largest step TTL in ms, at most ``MAX_STEP_MS`` (2**32); a step of
+            the ladder (a power of two; with ``step_ratio`` 4, a power of four). Longer
+            delays reuse it as often as needed.
         hold_window_ms: remaining time (ms) at or below which the relay stops hopping
             and waits in-process until the due time (a timer is cheap, a hop costs the
             broker a publish, a dead-lettering and a delivery); hops land at least half
@@ -77,16 +93,22 @@ class Ladder:
             dead-lettering and delivery to the relay take 2.5-3 ms past the TTL on an
             idle RabbitMQ 3.10 on two cores): a step is chosen only if
             ``step + margin <= remaining``, so a hop returns before the due time.
+        step_ratio: each step's TTL over the one below, one of ``STEP_RATIOS``: 2 (the
+            default: 29 steps from 16 ms to 2**32 ms) or 4 (15 steps over the same
+            range: fewer queues on the broker, for up to three hops per step instead of
+            one and so more hops per message; docs/operations.md, "Fewer steps").
 
     Raises:
-        InvalidSettingsError: a step is not a power of two, the steps are out of order,
-            the top step exceeds ``MAX_STEP_MS``, or a window is negative.
+        InvalidSettingsError: a step is not a power of two (of four with ``step_ratio``
+            4), the steps are out of order, the top step exceeds ``MAX_STEP_MS``, the
+            ratio is not one of ``STEP_RATIOS``, or a window is negative.
     """
 
     min_step_ms: int = 16
     max_step_ms: int = 2**32
     hold_window_ms: int = 4000
     hop_margin_ms: int = 20
+    step_ratio: int = 2
 
     def __post_init__(self) -> None:
         from hopsched.errors import InvalidSettingsError
@@ -97,6 +119,21 @@ class Ladder:
                 raise InvalidSettingsError(
                     f"{name}={value!r}: step TTLs must be powers of two in ms (e.g. 16, 1024)"
                 )
+        ratio = self.step_ratio
+        if isinstance(ratio, bool) or ratio not in STEP_RATIOS:
+            raise InvalidSettingsError(
+                f"step_ratio={ratio!r}: use 2 (the default: every power of two, the most "
+                "precise) or 4 (every power of four: about half the step queues, more hops)"
+            )
+        if ratio == 4:
+            for name in ("min_step_ms", "max_step_ms"):
+                value = getattr(self, name)
+                if _exponent(value) % 2:
+                    raise InvalidSettingsError(
+                        f"{name}={value}: with step_ratio=4 the steps are powers of four "
+                        f"(16, 64, 256, 1024, ... 2**32): use {value // 2} or {value * 2}, "
+                        "or step_ratio=2"
+                    )
         if self.min_step_ms > self.max_step_ms:
             raise InvalidSettingsError(
                 f"min_step_ms={self.min_step_ms} is above max_step_ms={self.max_step_ms}: swap them"
@@ -127,8 +164,24 @@ class Ladder:
     @property
     def steps(self) -> tuple[int, ...]:
         """Every step TTL in ms, smallest first."""
-        low, high = self.min_step_ms.bit_length(), self.max_step_ms.bit_length()
-        return tuple(1 << (k - 1) for k in range(low, high + 1))
+        low, high = _exponent(self.min_step_ms), _exponent(self.max_step_ms)
+        return tuple(1 << k for k in range(low, high + 1, _exponent(self.step_ratio)))
+
+    @property
+    def description(self) -> str:
+        """The ladder's settings as text, e.g. ``step_ratio=4, min_step_ms=16,
+        max_step_ms=2**32 (15 steps)``, for errors and logs."""
+        return describe_steps(self.steps, self.step_ratio)
+
+    def step_at_most(self, ms: int) -> int:
+        """The largest step of at most ``ms`` ms; the smallest step if ``ms`` is below it
+        (the caller checks that it fits)."""
+        if ms >= self.max_step_ms:
+            return self.max_step_ms
+        if ms < self.min_step_ms:
+            return self.min_step_ms
+        shift, low = _exponent(self.step_ratio), _exponent(self.min_step_ms)
+        return 1 << (low + (_exponent(ms) - low) // shift * shift)
 
     def plan(
         self,
@@ -147,9 +200,10 @@ class Ladder:
         window's second half, so one that comes back late by up to half the window is
         still held until due, not late (a burst of thousands due at one instant comes
         back over seconds as the broker dead-letters them). A hop never outlasts the
-        remaining time, so
-        following the plan is never early; the remaining time at least halves per hop
-        below the top step, so the plan terminates. ``hold_window_ms`` and
+        remaining time, so following the plan is never early. Below the top step a hop
+        takes at least ``1 / step_ratio`` of the remaining time (the next step up did not
+        fit), so the plan terminates: each step is taken at most ``step_ratio - 1``
+        times in a row. ``hold_window_ms`` and
         ``hop_margin_ms`` override the ladder's own (the relay passes a hold window of 0
         while it holds as many as it should, and a margin learnt from recent hops).
 
@@ -165,10 +219,7 @@ class Ladder:
         budget_ms = (remaining_us - max(margin_ms, window_ms // 2) * US_PER_MS) // US_PER_MS
         if budget_ms < self.min_step_ms:
             return Hold(remaining_us)
-        if budget_ms >= self.max_step_ms:
-            step_ms = self.max_step_ms
-        else:
-            step_ms = 1 << (budget_ms.bit_length() - 1)
+        step_ms = self.step_at_most(budget_ms)
         return Hop(self.detour(step_ms, avoid) if avoid else step_ms)
 
     def detour(self, step_ms: int, avoid: Collection[int]) -> int:
@@ -183,7 +234,7 @@ class Ladder:
         while candidate >= self.min_step_ms:
             if candidate not in avoid:
                 return candidate
-            candidate >>= 1
+            candidate //= self.step_ratio
         return step_ms
 
     def route(self, delay_us: int, overshoot_us: int = 0, avoid: Collection[int] = ()) -> list[int]:
@@ -203,14 +254,15 @@ class Ladder:
         """An upper bound on the hops for ``delay_us``: top-step laps plus one per smaller step.
 
         With any overshoot below the margin the planner uses each step below the top at
-        most once, so this bound is ``ceil(delay / max_step) + log2(max_step / min_step)``
-        and for delays within the ladder about ``log2(delay / min_step) + 1``.
+        most ``step_ratio - 1`` times, so this bound is ``ceil(delay / max_step) +
+        (step_ratio - 1) x (steps - 1)``; with ratio 2, for delays within the ladder,
+        about ``log2(delay / min_step) + 1``.
 
         With the steps in ``avoid`` routed around, the top is the largest step not
         avoided, and a step ``s`` below it is used at most ``next / s - 1`` times in a
         row, ``next`` being the smallest step above ``s`` not avoided (once if none is
-        avoided between them); an avoided step below every other one is used at most once
-        (nothing shorter to go by).
+        avoided between them: ``step_ratio - 1`` times); an avoided step below every
+        other one (nothing shorter to go by) is used at most ``step_ratio - 1`` times.
         """
         allowed = [step for step in self.steps if step not in avoid]
         if not allowed:
@@ -218,7 +270,44 @@ class Ladder:
         top = allowed[-1]
         bound = -(-delay_us // (top * US_PER_MS))
         bound += sum(larger // smaller - 1 for smaller, larger in itertools.pairwise(allowed))
-        return bound + sum(1 for step in self.steps if step < allowed[0])
+        below = sum(1 for step in self.steps if step < allowed[0])
+        return bound + (self.step_ratio - 1) * below
+
+
+def ladder_of(steps: Collection[int]) -> Ladder | None:
+    """The ladder (default windows) whose steps are exactly ``steps`` (ms), or None if
+    no valid ladder has them (a gap, a step that is no power of two)."""
+    found = sorted(steps)
+    if not found:
+        return None
+    from hopsched.errors import InvalidSettingsError
+
+    for ratio in STEP_RATIOS:
+        try:
+            ladder = Ladder(min_step_ms=found[0], max_step_ms=found[-1], step_ratio=ratio)
+        except InvalidSettingsError:
+            continue
+        if list(ladder.steps) == found:
+            return ladder
+    return None
+
+
+def _ms(value: int) -> str:
+    return f"2**{_exponent(value)}" if value > 65536 and _is_power_of_two(value) else str(value)
+
+
+def describe_steps(steps: Collection[int], ratio: int | None = None) -> str:
+    """Step TTLs (ms) as the settings that give them, e.g. ``step_ratio=4,
+    min_step_ms=16, max_step_ms=2**32 (15 steps)``; a set that is no ladder as a list."""
+    found = sorted(steps)
+    ladder = ladder_of(found)
+    if ladder is None or (ratio is not None and len(found) == 1 and ladder.step_ratio != ratio):
+        return f"steps {', '.join(_ms(step) for step in found)} ms (no ladder hopsched declares)"
+    step_ratio = ladder.step_ratio if ratio is None or len(found) > 1 else ratio
+    return (
+        f"step_ratio={step_ratio}, min_step_ms={_ms(found[0])}, max_step_ms={_ms(found[-1])}"
+        f" ({len(found)} step{'s' if len(found) > 1 else ''})"
+    )
 
 
 @dataclass(slots=True)

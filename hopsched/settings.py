@@ -191,7 +191,7 @@ class Settings:
             on failure (``hopsched.connect.Connector``). Shown masked everywhere.
         prefix: namespace of every broker object, so several ladders share a vhost.
         min_step_ms, max_step_ms: the ladder's smallest and largest step TTL, powers of
-            two in ms.
+            two in ms (of four with ``step_ratio`` 4).
         hold_window_ms: at or below this remaining time (ms) the relay waits in-process
             (a timer) instead of hopping (a publish, a dead-lettering and a delivery on the
             broker), and hops land at least half of it before the due time. 4000: a burst
@@ -242,6 +242,12 @@ class Settings:
             (16 MiB): RabbitMQ 4.x's default ``max_message_size``, which the broker
             enforces by closing the channel (https://www.rabbitmq.com/docs/configure);
             set it to your broker's (RabbitMQ 3.x: 128 MiB, at most 512 MiB).
+        step_ratio: each step's TTL over the one below: 2 (the default, every power of
+            two: 29 step queues from 16 ms to 2**32 ms, the most precise) or 4 (every
+            power of four: 15 step queues over the same range, about half the broker's
+            cost per prefix, for more hops per message; docs/operations.md, "Fewer
+            steps"). Every Scheduler and relay of a prefix must use the same ladder
+            (``TopologyMismatchError`` otherwise).
 
     Raises:
         InvalidSettingsError: a value is out of range; the message says which and why.
@@ -266,6 +272,7 @@ class Settings:
     require_signatures: bool = False
     management_url: str = ""
     max_message_size: int = MAX_MESSAGE_SIZE
+    step_ratio: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _join_urls(self.url))
@@ -357,6 +364,7 @@ class Settings:
             max_step_ms=self.max_step_ms,
             hold_window_ms=self.hold_window_ms,
             hop_margin_ms=self.hop_margin_ms,
+            step_ratio=self.step_ratio,
         )
 
     @property

@@ -19,11 +19,12 @@ from hopsched.errors import (
     AccessRefusedError,
     BrokerUnavailableError,
     HopschedError,
+    LadderMismatchError,
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
 from hopsched.journal import retention_bound_us
-from hopsched.ladder import MAX_STEP_MS, Ladder
+from hopsched.ladder import MAX_STEP_MS, Ladder, describe_steps
 from hopsched.settings import QueueType, Settings
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Topology",
     "declare_topology",
     "exists",
+    "ladder_mismatch",
     "teardown_refusal",
 ]
 
@@ -101,6 +103,13 @@ _ADDED_IN_0_2 = frozenset({"x-delivery-limit", "x-dead-letter-exchange"})
 #: ``upgrade`` holds a queue's messages in ``{queue}.upgrade`` while it declares the
 #: queue anew; one left on the broker is an interrupted upgrade (run it again).
 HOLDING_SUFFIX = ".upgrade"
+
+#: Every step TTL any ladder can have, ms (powers of two up to ``MAX_STEP_MS``): the step
+#: queues ``check_ladder``, ``status`` and ``teardown`` look for, whatever the ladder.
+ANY_STEP_MS = tuple(1 << k for k in range(MAX_STEP_MS.bit_length()))
+#: A ladder may lack one step queue the prefix has not (an operator deleted it: F27; it
+#: is declared again), not more: one more step is one more queue, not a lost message.
+TOLERATED_MISSING_STEPS = 1
 
 #: ``progress(step, count)``: what a long admin operation just did, e.g.
 #: ``("moved x.relay -> x.relay.upgrade", 120)`` after each message it moved (the count
@@ -177,6 +186,31 @@ class Teardown:
     consumers: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     held_unknown: str | None = None
+
+
+def ladder_mismatch(
+    prefix: str, ladder: Ladder, found: Iterable[int]
+) -> LadderMismatchError | None:
+    """The error for a process with ``ladder`` on a declared prefix whose step queues
+    have the TTLs ``found`` (ms), or None if it may run there.
+
+    It may not if more than ``TOLERATED_MISSING_STEPS`` of its steps are missing: its
+    hops would go into queues the prefix's relays never declared (the prefix is another
+    ladder's: another ``step_ratio``, a larger ``min_step_ms``), which a Scheduler
+    without configure permission cannot publish into and a relay would declare anew
+    behind the operator's back. Steps found that ``ladder`` lacks are fine for it (a
+    Scheduler on a sub-range, tests/test_field_cases.py F02b): see ``extra_steps``.
+    """
+    present = set(found)
+    missing = [step for step in ladder.steps if step not in present]
+    if len(missing) <= TOLERATED_MISSING_STEPS:
+        return None
+    return LadderMismatchError(
+        prefix,
+        ladder.description,
+        describe_steps(present) if present else "no step queue",
+        [f"{prefix}.step.{step}" for step in missing],
+    )
 
 
 def teardown_refusal(
@@ -262,6 +296,49 @@ class Topology:
     @property
     def step_queues(self) -> tuple[str, ...]:
         return tuple(self.step_queue(step) for step in self.ladder.steps)
+
+    @property
+    def other_step_queues(self) -> tuple[str, ...]:
+        """The step queues another ladder could have on this prefix and this one does not
+        (``ANY_STEP_MS``): ``inspect`` and ``teardown`` include those that exist."""
+        own = set(self.ladder.steps)
+        return tuple(self.step_queue(step) for step in ANY_STEP_MS if step not in own)
+
+    async def found_steps(self, connection: aio_pika.abc.AbstractConnection) -> frozenset[int]:
+        """The TTLs (ms) of the step queues of any ladder that exist on this prefix
+        (passive declares: no permission needed, nothing created)."""
+        found = set()
+        for step in ANY_STEP_MS:
+            if await _passive_depth(connection, self.step_queue(step)) is not None:
+                found.add(step)
+        return frozenset(found)
+
+    async def check_ladder(self, connection: aio_pika.abc.AbstractConnection) -> None:
+        """Refuse this ladder on a prefix declared with another (``ladder_mismatch``);
+        log a warning for step queues another ladder uses. Nothing to check on a prefix
+        without its relay queue (never declared, or being declared: the relay queue is
+        declared after every step).
+
+        Raises:
+            LadderMismatchError: steps of this ladder are missing on a declared prefix.
+        """
+        if await _passive_depth(connection, self.relay_queue) is None:
+            return
+        found = await self.found_steps(connection)
+        error = ladder_mismatch(self.prefix, self.ladder, found)
+        if error is not None:
+            raise error
+        extra = sorted(found - set(self.ladder.steps))
+        if extra:
+            log.warning(
+                "prefix %s has step queues this ladder (%s) does not use: %s; a Scheduler "
+                "or relay with another ladder uses them, or they are left from one (they "
+                "cost the broker a queue each: `hopsched status` lists them, `hopsched "
+                "teardown` removes them with the prefix)",
+                self.prefix,
+                self.ladder.description,
+                ", ".join(self.step_queue(step) for step in extra),
+            )
 
     @property
     def holding_queues(self) -> tuple[str, ...]:
@@ -390,9 +467,13 @@ class Topology:
         Raises:
             TopologyMismatchError: a queue exists with other arguments (AMQP 406);
                 names the queue, the argument and the fix. Not worth retrying.
+            LadderMismatchError: declaring every step, the prefix has another ladder's
+                (``check_ladder``).
             AccessRefusedError: the user may not declare them (AMQP 403).
         """
         wanted = None if names is None else set(names)
+        if wanted is None or set(self.step_queues) <= wanted:  # a start, not one queue again
+            await self.check_ladder(connection)
         declaring = self.expired_exchange
         channel = await connection.channel(publisher_confirms=False)
         try:
@@ -567,8 +648,9 @@ class Topology:
         self, connection: aio_pika.abc.AbstractConnection, *, check_arguments: bool = True
     ) -> dict[str, QueueDepth | None]:
         """Every queue's depth, None for a queue that does not exist; declares nothing new.
-        A holding queue of an interrupted ``upgrade`` (``holding_queues``) is included
-        if, and only if, it exists.
+        A holding queue of an interrupted ``upgrade`` (``holding_queues``) and a step
+        queue of another ladder (``other_step_queues``) are included if, and only if,
+        they exist.
 
         Args:
             connection: an open connection.
@@ -603,7 +685,7 @@ class Topology:
                 if not channel.is_closed:
                     await channel.close()
             log.debug("queue %s: %s", name, depths[name] or "missing")
-        for name in self.holding_queues:
+        for name in (*self.other_step_queues, *self.holding_queues):
             if (depth := await _passive_depth(connection, name)) is not None:
                 depths[name] = depth
         return depths
@@ -617,7 +699,8 @@ class Topology:
         progress: Progress | None = None,
     ) -> Teardown:
         """Delete every queue of ``queues()`` (and a holding queue of an interrupted
-        ``upgrade``), then the exchange; report missing ones.
+        ``upgrade``, and the step queues of another ladder on the prefix), then the
+        exchange; report missing ones.
 
         Without ``force`` nothing is deleted while a queue holds messages or has
         consumers (``teardown_refusal``). A message published between that check and

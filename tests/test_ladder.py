@@ -13,10 +13,21 @@ from datetime import timedelta
 
 import pytest
 from hypothesis import assume, given
+from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from hopsched.errors import InvalidSettingsError
-from hopsched.ladder import BROKER_MAX_TTL_MS, AvoidedSteps, Hold, Hop, Ladder
+from hopsched.ladder import (
+    BROKER_MAX_TTL_MS,
+    STEP_RATIOS,
+    AvoidedSteps,
+    Hold,
+    Hop,
+    Ladder,
+    describe_steps,
+    ladder_of,
+)
+from hopsched.topology import ladder_mismatch
 
 US_PER_MS = 1_000
 MS = US_PER_MS
@@ -70,21 +81,30 @@ def ceil_log2_ratio(numerator: int, denominator: int) -> int:
 
 
 @st.composite
-def ladders(draw: st.DrawFn, *, min_margin_ms: int = 0) -> Ladder:
-    low = draw(st.integers(0, 15))  # min step + margin stays within MAX_HOLD_MS
-    high = draw(st.integers(low, 32))
+def ladders(
+    draw: st.DrawFn, *, min_margin_ms: int = 0, ratios: tuple[int, ...] = STEP_RATIOS
+) -> Ladder:
+    """Any valid ladder: every step ratio, smallest steps from 1 ms to 32 s (a coarse
+    ``min_step_ms=1024`` among them), top steps up to 2**32 ms."""
+    ratio = draw(st.sampled_from(ratios))
+    shift = ratio.bit_length() - 1
+    low = draw(st.integers(0, 15 // shift)) * shift  # min step + margin within MAX_HOLD_MS
+    high = low + draw(st.integers(0, (32 - low) // shift)) * shift
     return Ladder(
         min_step_ms=2**low,
         max_step_ms=2**high,
         hold_window_ms=draw(st.integers(0, 5_000)),
         hop_margin_ms=draw(st.integers(min_margin_ms, 200)),
+        step_ratio=ratio,
     )
 
 
 @st.composite
-def ladder_and_delay(draw: st.DrawFn, *, min_margin_ms: int = 0) -> tuple[Ladder, int]:
+def ladder_and_delay(
+    draw: st.DrawFn, *, min_margin_ms: int = 0, ratios: tuple[int, ...] = STEP_RATIOS
+) -> tuple[Ladder, int]:
     """A ladder and a delay (µs) of up to 40 laps of its top step, sometimes negative."""
-    ladder = draw(ladders(min_margin_ms=min_margin_ms))
+    ladder = draw(ladders(min_margin_ms=min_margin_ms, ratios=ratios))
     top_us = ladder.max_step_ms * US_PER_MS
     laps = draw(st.integers(0, 40))
     rest = draw(st.integers(-10 * SECOND, top_us))
@@ -118,6 +138,7 @@ def test_following_the_plan_with_overshoot_below_margin_is_never_early(
     assert run.delivered_us == max(run.arrival_us, due_us)
 
 
+@hypothesis_settings(deadline=None)  # a hop drawn per hop: up to 40 laps and 3 per step
 @given(case=ladder_and_delay(), data=st.data())
 def test_delivery_is_never_early_even_when_hops_overshoot_the_margin(
     case: tuple[Ladder, int], data: st.DataObject
@@ -171,7 +192,7 @@ def test_hops_stay_within_max_hops_for_overshoot_below_margin(
     assert len(run.hops) <= ladder.max_hops(max(0, delay_us))
 
 
-@given(ladder=ladders(min_margin_ms=1), data=st.data())
+@given(ladder=ladders(min_margin_ms=1, ratios=(2,)), data=st.data())
 def test_hops_within_the_ladder_are_logarithmic_in_the_delay(
     ladder: Ladder, data: st.DataObject
 ) -> None:
@@ -209,14 +230,15 @@ def test_a_hop_is_the_largest_ladder_step_that_fits(
         assert step in ladder.steps
         assert remaining_us > ladder.hold_window_ms * US_PER_MS
         assert step * US_PER_MS + margin_us <= remaining_us
-        assert step == ladder.max_step_ms or 2 * step * US_PER_MS + margin_us > remaining_us
+        next_us = step * ladder.step_ratio * US_PER_MS
+        assert step == ladder.max_step_ms or next_us + margin_us > remaining_us
     else:
         assert action.wait_us == max(0, remaining_us)
         smallest_fits = ladder.min_step_ms * US_PER_MS + margin_us <= remaining_us
         assert remaining_us <= ladder.hold_window_ms * US_PER_MS or not smallest_fits
 
 
-@given(ladder=ladders(min_margin_ms=1), data=st.data())
+@given(ladder=ladders(min_margin_ms=1, ratios=(2,)), data=st.data())
 def test_hops_are_at_most_log2_of_delay_over_hold_window_plus_2(
     ladder: Ladder, data: st.DataObject
 ) -> None:
@@ -537,6 +559,7 @@ def test_a_plan_around_avoided_steps_takes_the_largest_other_step_never_a_larger
         assert around == planned
 
 
+@hypothesis_settings(deadline=None)  # ratio 4 around avoided steps: thousands of hops
 @given(case=ladder_and_delay(min_margin_ms=1), start_us=st.integers(0, 2**60), data=st.data())
 def test_following_a_plan_around_avoided_steps_is_never_early_and_bounded(
     case: tuple[Ladder, int], start_us: int, data: st.DataObject
@@ -582,7 +605,8 @@ def test_max_hops_without_avoided_steps_is_the_plain_bound(case: tuple[Ladder, i
     delay_us = max(0, delay_us)
     top_laps = -(-delay_us // (ladder.max_step_ms * US_PER_MS))
 
-    assert ladder.max_hops(delay_us) == top_laps + len(ladder.steps) - 1
+    below_top = (ladder.step_ratio - 1) * (len(ladder.steps) - 1)
+    assert ladder.max_hops(delay_us) == top_laps + below_top
     assert ladder.max_hops(delay_us, frozenset()) == ladder.max_hops(delay_us)
 
 
@@ -611,3 +635,126 @@ def test_a_nacked_step_is_avoided_for_a_while_after_its_last_nack(
 
     last = {step_ms: at_us for step_ms, at_us in nacks}
     assert memory.avoided(now_us) == {s for s, at_us in last.items() if now_us < at_us + for_us}
+
+
+# --- fewer steps: step_ratio 4 and a coarse min_step_ms (issue 23, item 4) --------------
+
+RATIO_4 = Ladder(step_ratio=4)
+COARSE = Ladder(min_step_ms=1024)
+
+
+def test_the_ratio_4_and_coarse_ladders_have_fewer_steps_of_the_same_range() -> None:
+    assert len(DEFAULT.steps) == 29
+    assert RATIO_4.steps == tuple(4**k for k in range(2, 17))  # 16 ms .. 2**32 ms, 15 steps
+    assert COARSE.steps == tuple(2**k for k in range(10, 33))  # 1024 ms .. 2**32 ms, 23
+    assert set(RATIO_4.steps) < set(DEFAULT.steps)
+    assert set(COARSE.steps) < set(DEFAULT.steps)
+    assert RATIO_4.description == "step_ratio=4, min_step_ms=16, max_step_ms=2**32 (15 steps)"
+
+
+@given(ladder=ladders(min_margin_ms=1, ratios=(4,)), data=st.data())
+def test_a_ratio_4_ladder_uses_each_step_below_the_top_at_most_three_times(
+    ladder: Ladder, data: st.DataObject
+) -> None:
+    """Below the top a hop takes at least a quarter of what remains, so a step is taken at
+    most ``ratio - 1`` times, in a row, and the steps never grow."""
+    delay_us = data.draw(st.integers(1, 3 * ladder.max_step_ms * US_PER_MS))
+    run = follow_plan(
+        ladder, delay_us, lambda: data.draw(st.integers(0, ladder.hop_margin_ms * US_PER_MS - 1))
+    )
+
+    below_top = [step for step in run.steps if step != ladder.max_step_ms]
+    assert all(below_top.count(step) <= 3 for step in below_top), run.steps
+    assert run.steps == sorted(run.steps, reverse=True), run.steps
+    assert all(step in ladder.steps for step in run.steps)
+    assert len(run.hops) <= ladder.max_hops(delay_us)
+    assert run.delivered_us >= delay_us
+
+
+@given(
+    ratio=st.sampled_from(STEP_RATIOS),
+    delay_us=st.integers(0, 2**45),
+    overshoot_us=st.integers(0, 19_999),
+)
+def test_fewer_steps_cost_hops_never_earliness(
+    ratio: int, delay_us: int, overshoot_us: int
+) -> None:
+    """The lighter ladders (ratio 4; a 1024 ms smallest step) take at least the default's
+    hops, at most ``3 x`` its steps, and deliver as the default does: held to the due
+    time, never before it."""
+    lighter = Ladder(step_ratio=ratio, min_step_ms=16 if ratio == 4 else 1024)
+
+    default_route = DEFAULT.route(delay_us, overshoot_us)
+    lighter_route = lighter.route(delay_us, overshoot_us)
+
+    assert len(lighter_route) <= lighter.max_hops(delay_us)
+    assert len(lighter_route) <= 3 * max(1, len(default_route)) + 1
+    arrival_us = sum(step * US_PER_MS + overshoot_us for step in lighter_route)
+    assert arrival_us <= delay_us or lighter_route == []
+
+
+@given(ladder=ladders(), data=st.data())
+def test_after_refusal_and_detours_stay_on_the_ladder(ladder: Ladder, data: st.DataObject) -> None:
+    ms = data.draw(st.integers(0, 2**33))
+    step = ladder.step_at_most(ms)
+    assert step in ladder.steps
+    assert step <= max(ms, ladder.min_step_ms)
+    assert step == ladder.max_step_ms or step * ladder.step_ratio > ms
+    avoid = frozenset(data.draw(st.sets(st.sampled_from(ladder.steps))))
+    assert ladder.detour(step, avoid) in ladder.steps
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        pytest.param({"step_ratio": 3}, ["step_ratio=3", "2", "4"], id="ratio-3"),
+        pytest.param({"step_ratio": True}, ["step_ratio=True"], id="ratio-bool"),
+        pytest.param({"step_ratio": 4, "min_step_ms": 32}, ["min_step_ms=32", "16 or 64"],
+                     id="ratio-4-min-not-power-of-4"),
+        pytest.param({"step_ratio": 4, "max_step_ms": 2**31}, ["max_step_ms=2147483648",
+                     "powers of four", "step_ratio=2"], id="ratio-4-top-not-a-step"),
+    ],
+)  # fmt: skip
+def test_a_ladder_of_another_ratio_is_refused_naming_the_option_and_the_fix(
+    fields: dict[str, int], words: list[str]
+) -> None:
+    with pytest.raises(InvalidSettingsError) as refused:
+        Ladder(**fields)
+    for word in words:
+        assert word in str(refused.value)
+
+
+@given(ladder=ladders())
+def test_the_steps_on_the_broker_tell_their_ladder(ladder: Ladder) -> None:
+    found = ladder_of(ladder.steps)
+    assert found is not None
+    assert found.steps == ladder.steps
+    assert ladder_of([16, 32, 128]) is None
+    assert "no ladder" in describe_steps([16, 32, 128])
+
+
+@pytest.mark.parametrize(
+    ("mine", "broker", "refused"),
+    [
+        pytest.param(DEFAULT, RATIO_4, True, id="default-on-a-ratio-4-prefix"),
+        pytest.param(DEFAULT, COARSE, True, id="default-on-a-coarse-prefix"),
+        pytest.param(COARSE, RATIO_4, True, id="coarse-on-a-ratio-4-prefix"),
+        pytest.param(RATIO_4, DEFAULT, False, id="ratio-4-on-a-default-prefix: a subset"),
+        pytest.param(COARSE, DEFAULT, False, id="coarse-on-a-default-prefix: a subset"),
+        pytest.param(DEFAULT, Ladder(max_step_ms=2**31), False, id="one-step-missing (F27)"),
+        pytest.param(RATIO_4, RATIO_4, False, id="same"),
+    ],
+)
+def test_a_ladder_missing_steps_on_the_broker_is_refused_naming_both(
+    mine: Ladder, broker: Ladder, refused: bool
+) -> None:
+    error = ladder_mismatch("p", mine, broker.steps)
+
+    assert (error is not None) == refused
+    if error is not None:
+        text = str(error)
+        assert mine.description in text
+        assert broker.description in text
+        assert "HOPSCHED_STEP_RATIO" in text
+        assert "hopsched teardown --prefix p" in text
+        assert error.queue == f"p.step.{min(set(mine.steps) - set(broker.steps))}"
