@@ -1,15 +1,18 @@
 """What a declared hopsched prefix costs the broker, idle: queues, file handles, memory.
 
     python benchmarks/prefix_cost.py --prefixes 10 --rabbitmq machine,/opt/hopsched-rabbitmq4
+    python benchmarks/prefix_cost.py --ladder default --ladder step_ratio=4 \
+        --ladder min_step_ms=1024
 
 For each RabbitMQ installation (``machine``: this machine's; a directory: the one in that
 chroot, e.g. RabbitMQ 4.0.5 from ``.ci/rabbitmq4``) it starts a private node
 (``hopsched.localbroker``), reads what the node reports (``rabbitmqctl status``: the file
 handles its file-handle cache counts, RabbitMQ 3.x only, against its limit; its memory
 by category) and what the OS sees (open descriptors, resident memory), declares
-``--prefixes`` ladders of the default settings with nothing in them, lets them settle,
-reads again, tears them down, and prints the cost per prefix and per quorum queue.
-Nothing is left: the node and its directory are removed at the end.
+``--prefixes`` ladders (the default settings, or each ``--ladder``: ``bench_ladder``) with
+nothing in them, lets them settle, reads again, tears them down, and prints the cost per
+prefix and per quorum queue, a row per installation and ladder. Nothing is left: the
+node and its directory are removed at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
+
+from bench_ladder import ladder_name, parse_ladder
 
 import hopsched
 from hopsched.localbroker import (
@@ -55,13 +62,17 @@ async def reading(node: PrivateBroker) -> dict[str, int]:
     }
 
 
-async def measure(installation: Installation, prefixes: int) -> dict[str, Any]:
-    """Declare ``prefixes`` empty ladders on a private node of ``installation``."""
+async def measure(
+    installation: Installation, prefixes: int, ladder: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """Declare ``prefixes`` empty ladders (``ladder``: Settings fields) on a private node
+    of ``installation``."""
+    ladder = ladder or {}
     async with private_node(installation=installation) as node:
         await asyncio.sleep(SETTLE_S)
         before = await reading(node)
         names = [f"cost{uuid.uuid4().hex[:8]}" for _ in range(prefixes)]
-        settings = [hopsched.Settings(url=node.url, prefix=name) for name in names]
+        settings = [hopsched.Settings(url=node.url, prefix=name, **ladder) for name in names]
         for one in settings:
             await declare_topology(one)
         await asyncio.sleep(SETTLE_S)
@@ -79,6 +90,8 @@ async def measure(installation: Installation, prefixes: int) -> dict[str, Any]:
     return {
         "rabbitmq": installation.version,
         "installation": str(installation),
+        "ladder": ladder_name(ladder),
+        "ladder_settings": settings[0].ladder.description,
         "prefixes": prefixes,
         "queues_per_prefix": queues,
         "quorum_queues_per_prefix": quorum,
@@ -92,15 +105,16 @@ async def measure(installation: Installation, prefixes: int) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| RabbitMQ | per prefix: queues (quorum) | handles counted | OS descriptors "
+        "| RabbitMQ | ladder | per prefix: queues (quorum) | handles counted | OS descriptors "
         "| Erlang memory | quorum memory | RSS | per quorum queue: handles, memory "
         "| handle limit | after teardown: handles, Erlang memory |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p, q = r["per_prefix"], r["per_quorum_queue"]
         lines.append(
-            f"| {r['rabbitmq']} | {r['queues_per_prefix']} ({r['quorum_queues_per_prefix']}) "
+            f"| {r['rabbitmq']} | {r['ladder']} "
+            f"| {r['queues_per_prefix']} ({r['quorum_queues_per_prefix']}) "
             f"| {p['handles_counted']:.1f} | {p['os_descriptors']:.1f} "
             f"| {p['erlang_bytes'] / _MIB:.2f} MiB | {p['quorum_bytes'] / _MIB:.2f} MiB "
             f"| {p['rss_bytes'] / _MIB:.2f} MiB "
@@ -132,9 +146,21 @@ async def main() -> None:
         default="machine",
         help="Comma-separated: 'machine' (this machine's RabbitMQ) or a chroot directory.",
     )
+    parser.add_argument(
+        "--ladder",
+        action="append",
+        type=parse_ladder,
+        help="A ladder to measure, e.g. step_ratio=4 or min_step_ms=1024 (default: the "
+        "default ladder); give it again for each ladder.",
+    )
     parser.add_argument("--json", type=Path, help="Write every reading here.")
     options = parser.parse_args()
-    results = [await measure(found, options.prefixes) for found in installations(options.rabbitmq)]
+    ladders = options.ladder or [{}]
+    results = [
+        await measure(found, options.prefixes, ladder)
+        for found in installations(options.rabbitmq)
+        for ladder in ladders
+    ]
     print(table(results))
     if options.json:
         options.json.write_text(json.dumps(results, indent=2) + "\n")
