@@ -31,6 +31,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
 
+from bench_ladder import ladder_name, parse_ladder
 from bench_measure import use_rabbitmqctl
 from bench_report import burst_table, decade_table, markdown_table, plot, throughput_summary
 from bench_run import Progress, Run, Session, measure_strategy, run_workload
@@ -421,6 +422,15 @@ def _run_cancellable(coroutine: Any) -> Any:
     help=f"Comma-separated, from: {', '.join(STRATEGIES)} (default: all).",
 )
 @click.option(
+    "--ladder",
+    "ladders",
+    multiple=True,
+    help="Run each hopsched strategy with this ladder, e.g. step_ratio=4 or "
+    "min_step_ms=1024 or step_ratio=4,min_step_ms=16 (Settings fields, for the Scheduler "
+    "and the relay process); give it again for each ladder, 'default' for the default "
+    "one. Rows are named hopsched-quorum/ratio4 etc. [default: the default ladder].",
+)
+@click.option(
     "--url",
     default=lambda: os.environ.get("HOPSCHED_URL", "amqp://guest:guest@127.0.0.1:5672/"),
     help="AMQP URL [env HOPSCHED_URL; default local guest].",
@@ -531,6 +541,20 @@ def main(**options: Any) -> None:
             f"{', '.join(unknown) or 'none given'}: choose from {', '.join(STRATEGIES)}",
             param_hint="--strategies",
         )
+    try:
+        ladders = [parse_ladder(text) for text in options["ladders"]]
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--ladder") from None
+    if ladders:  # each hopsched strategy once per ladder, where it stood in the list
+        names = [
+            variant
+            for name in names
+            for variant in (
+                [name if not ladder else f"{name}/{ladder_name(ladder)}" for ladder in ladders]
+                if name.startswith("hopsched-")
+                else [name]
+            )
+        ]
     options["strategies"] = names
     options["installations"] = _installations(options["installations"], options)
     if (options["plugins_dirs"] or options["enable_plugins"]) and not (

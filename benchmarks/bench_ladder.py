@@ -58,6 +58,26 @@ def ladder_name(fields: dict[str, int]) -> str:
     return "-".join(parts) or "default"
 
 
+_LABELS = {"ratio": "step_ratio", "min": "min_step_ms", "max": "max_step_ms"}
+
+
+def parse_label(label: str) -> dict[str, int]:
+    """The fields ``ladder_name`` labelled ``label`` (``ratio4-min1024``); ``default``:
+    none.
+
+    Raises:
+        ValueError: not such a label.
+    """
+    fields: dict[str, int] = {}
+    for part in label.split("-") if label != "default" else ():
+        name = _LABELS.get(part.rstrip("0123456789"))
+        number = part[len(part.rstrip("0123456789")) :]
+        if name is None or not number:
+            raise ValueError(f"ladder label {label!r}: parts are ratioN, minN, maxN")
+        fields[name] = int(number)
+    return fields
+
+
 def ladder_environment(fields: dict[str, int]) -> dict[str, str]:
     """The ``HOPSCHED_*`` variables that give a relay process this ladder."""
     return {f"HOPSCHED_{name.upper()}": str(value) for name, value in fields.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import sys
 import tempfile
 import time
@@ -16,6 +17,7 @@ from typing import IO, Any, ClassVar
 
 import aio_pika
 import aiormq
+from bench_ladder import ladder_environment, ladder_name, parse_label
 from bench_measure import BENCH_DUE, BENCH_ID, MAX_IN_FLIGHT, Pipeline, now_us, stop_process
 
 import hopsched
@@ -96,7 +98,7 @@ class Strategy:
         self.url = url  # hopsched's Settings.url: one node, or a cluster's comma-separated
         self.node_url = split_urls(url)[0]  # for the benchmark's own aio-pika connections
         self.prefetch = prefetch
-        self.prefix = f"hopsched-bench-{self.name}-{run_id}"
+        self.prefix = f"hopsched-bench-{self.name}-{run_id}".replace("/", "-")
         self.target_queue = f"{self.prefix}-target"  # hopsched refuses its own {prefix}.…
         self.queues: list[str] = [self.target_queue]
         self.exchanges: list[str] = []
@@ -105,6 +107,8 @@ class Strategy:
         self.log_warnings: list[str] = []  # the process's WARNING and ERROR lines
         self.connection: aio_pika.abc.AbstractConnection | None = None
         self.channel: aio_pika.abc.AbstractChannel | None = None
+        #: Variables set for the strategy's process (a hopsched relay's ladder).
+        self.environment: dict[str, str] = {}
 
     async def unavailable(self, *, burst: bool = False) -> str | None:
         """Why this strategy cannot run on this broker (in the burst scenario if
@@ -125,7 +129,7 @@ class Strategy:
             if self._log is None:
                 self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
             self.process = await asyncio.create_subprocess_exec(
-                *command, stdout=self._log, stderr=self._log
+                *command, stdout=self._log, stderr=self._log, env={**os.environ, **self.environment}
             )
             await self._wait_consuming()
 
@@ -254,11 +258,22 @@ class Hopsched(Strategy):
         "dead-letters: 1 per hop"
     )
 
-    def __init__(self, url: str, run_id: str, prefetch: int) -> None:
+    def __init__(
+        self, url: str, run_id: str, prefetch: int, ladder: dict[str, int] | None = None
+    ) -> None:
+        """``ladder``: Settings fields of the ladder (``bench_ladder``), for the Scheduler
+        and, as ``HOPSCHED_*`` variables, the relay process; None: the default ladder."""
+        if ladder:
+            self.name = f"{self.name}/{ladder_name(ladder)}"
         super().__init__(url, run_id, prefetch)
         self.settings = hopsched.Settings(
-            url=url, prefix=self.prefix, queue_type=self.queue_type, prefetch=prefetch
+            url=url,
+            prefix=self.prefix,
+            queue_type=self.queue_type,
+            prefetch=prefetch,
+            **(ladder or {}),
         )
+        self.environment = ladder_environment(ladder or {})
         self.topology = hopsched.Topology.from_settings(self.settings)
         self.queues += list(self.topology.queues())
         self.exchanges.append(self.topology.expired_exchange)
@@ -646,4 +661,11 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 def make_strategy(name: str, url: str, run_id: str, prefetch: int) -> Strategy:
+    """The strategy ``name``; a hopsched one may name its ladder after a '/', as
+    ``ladder_name`` labels it (``hopsched-quorum/ratio4``, ``hopsched-quorum/min1024``)."""
+    base, _, label = name.partition("/")
+    if label:
+        cls = STRATEGIES[base]
+        assert issubclass(cls, Hopsched), f"{base}: only hopsched strategies have a ladder"
+        return cls(url, run_id, prefetch, ladder=parse_label(label))
     return STRATEGIES[name](url, run_id, prefetch)
