@@ -41,7 +41,15 @@ from hopsched.recurring import Rule
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
-from hopsched.topology import ROLES, QueueDepth, Role, Teardown, Topology
+from hopsched.topology import (
+    ANY_STEP_MS,
+    ROLES,
+    QueueDepth,
+    Role,
+    Teardown,
+    Topology,
+    ladder_mismatch,
+)
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_NOT_REPLAYED", "EXIT_NO_PREFIX", "EXIT_UNKNOWN", "main"]
 
@@ -791,7 +799,13 @@ def _status_problems(
     problems = []
     # the stream is declared on the first cancel: missing until then is normal
     missing = [name for name in topology.queues_but_stream() if depths.get(name) is None]
-    if missing:
+    found = [step for step in ANY_STEP_MS if depths.get(topology.step_queue(step)) is not None]
+    other_ladder = None
+    if depths.get(topology.relay_queue) is not None:
+        other_ladder = ladder_mismatch(settings.prefix, topology.ladder, found)
+    if other_ladder is not None:  # names both ladders, and which steps are missing
+        problems.append(str(other_ladder))
+    elif missing:
         problems.append(
             f"{len(missing)} of the prefix's queues are missing ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): check --prefix and --queue-type, or "

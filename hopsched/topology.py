@@ -28,6 +28,7 @@ from hopsched.ladder import MAX_STEP_MS, Ladder, describe_steps
 from hopsched.settings import QueueType, Settings
 
 __all__ = [
+    "ANY_STEP_MS",
     "CANCEL_RETENTION_US",
     "DEAD_LETTER_ROUTING_KEY",
     "HOLDING_SUFFIX",
@@ -38,6 +39,7 @@ __all__ = [
     "RELAY_CONSUMER_ARGUMENTS",
     "RELAY_DELIVERY_LIMIT",
     "ROLES",
+    "TOLERATED_MISSING_STEPS",
     "HeldCounter",
     "Permissions",
     "Progress",
