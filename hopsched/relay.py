@@ -406,13 +406,12 @@ class _Session:
         # leads to an ack. Paced, reads then share wake-ups (with the timer's, mostly).
         self.connection.coalesce_reads(READ_EVERY_S)
         log.info(
-            "relay consuming %s on node %s (prefetch %d, %s ladder %d..%d ms)",
+            "relay consuming %s on node %s (prefetch %d, %s ladder %s)",
             topology.relay_queue,
             relay._connector.masked_url,
             self.settings.prefetch,
             self.settings.queue_type,
-            self.settings.min_step_ms,
-            self.settings.max_step_ms,
+            relay.ladder.description,
         )
         torn_down: PrefixNotDeclaredError | None = None
         while True:

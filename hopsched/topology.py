@@ -196,7 +196,9 @@ def ladder_mismatch(
     """The error for a process with ``ladder`` on a declared prefix whose step queues
     have the TTLs ``found`` (ms), or None if it may run there.
 
-    It may not if more than ``TOLERATED_MISSING_STEPS`` of its steps are missing: its
+    It may not if more than ``TOLERATED_MISSING_STEPS`` of its steps are missing while
+    others exist (with none at all there is no other ladder, e.g. a prefix declared by
+    hopsched < 0.2 whose steps were removed, and they are declared): its
     hops would go into queues the prefix's relays never declared (the prefix is another
     ladder's: another ``step_ratio``, a larger ``min_step_ms``), which a Scheduler
     without configure permission cannot publish into and a relay would declare anew
@@ -205,12 +207,12 @@ def ladder_mismatch(
     """
     present = set(found)
     missing = [step for step in ladder.steps if step not in present]
-    if len(missing) <= TOLERATED_MISSING_STEPS:
-        return None
+    if not present or len(missing) <= TOLERATED_MISSING_STEPS:
+        return None  # no step at all: no ladder to conflict with (they are declared)
     return LadderMismatchError(
         prefix,
         ladder.description,
-        describe_steps(present) if present else "no step queue",
+        describe_steps(present),
         [f"{prefix}.step.{step}" for step in missing],
     )
 

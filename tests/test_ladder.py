@@ -749,6 +749,7 @@ def test_a_ladder_missing_steps_on_the_broker_is_refused_naming_both(
     mine: Ladder, broker: Ladder, refused: bool
 ) -> None:
     error = ladder_mismatch("p", mine, broker.steps)
+    assert ladder_mismatch("p", mine, ()) is None  # no step at all: nothing to conflict with
 
     assert (error is not None) == refused
     if error is not None:
