@@ -126,6 +126,11 @@ def test_from_env_reads_os_environ_when_given_none(monkeypatch: pytest.MonkeyPat
                      id="min-step-not-power-of-two"),
         pytest.param({"HOPSCHED_MIN_STEP_MS": "8192", "HOPSCHED_MAX_STEP_MS": "4096"},
                      ["min_step_ms", "max_step_ms"], id="min-above-max"),
+        pytest.param({"HOPSCHED_STEP_RATIO": "3"}, ["HOPSCHED_STEP_RATIO", "step_ratio=3",
+                     "use 2", "or 4"], id="step-ratio-3"),
+        pytest.param({"HOPSCHED_STEP_RATIO": "4", "HOPSCHED_MIN_STEP_MS": "32"},
+                     ["HOPSCHED_STEP_RATIO", "HOPSCHED_MIN_STEP_MS", "powers of four",
+                      "16 or 64"], id="step-ratio-4-min-32"),
         pytest.param({"HOPSCHED_HOLD_WINDOW_MS": "-1"}, ["hold_window_ms", ">= 0"],
                      id="negative-hold-window"),
         pytest.param({"HOPSCHED_QUEUE_TYPE": "mirrored"}, ["'mirrored'", "quorum", "classic"],
@@ -448,3 +453,10 @@ async def test_F33_the_cli_says_it_in_one_line_and_exits_2(value: str) -> None:
     assert err.startswith("Error: ")
     assert f"heartbeat={value!r}" in err
     assert "Traceback" not in err
+
+
+def test_step_ratio_4_from_the_environment_gives_the_15_step_ladder() -> None:
+    settings = Settings.from_env({"HOPSCHED_STEP_RATIO": "4"})
+    assert settings.step_ratio == 4
+    assert settings.ladder.steps == tuple(4**k for k in range(2, 17))
+    assert Settings().ladder.steps == tuple(2**k for k in range(4, 33))  # the default, as ever
