@@ -24,7 +24,7 @@ from hopsched.errors import (
     TopologyMismatchError,
 )
 from hopsched.journal import retention_bound_us
-from hopsched.ladder import MAX_STEP_MS, Ladder, describe_steps
+from hopsched.ladder import MAX_STEP_MS, Ladder, describe_steps, ladder_of
 from hopsched.settings import QueueType, Settings
 
 __all__ = [
@@ -196,19 +196,21 @@ def ladder_mismatch(
     """The error for a process with ``ladder`` on a declared prefix whose step queues
     have the TTLs ``found`` (ms), or None if it may run there.
 
-    It may not if more than ``TOLERATED_MISSING_STEPS`` of its steps are missing while
-    others exist (with none at all there is no other ladder, e.g. a prefix declared by
-    hopsched < 0.2 whose steps were removed, and they are declared): its
+    It may not if the steps found are another ladder's (``ladder_of``) that lacks more
+    than ``TOLERATED_MISSING_STEPS`` of its own: its
     hops would go into queues the prefix's relays never declared (the prefix is another
     ladder's: another ``step_ratio``, a larger ``min_step_ms``), which a Scheduler
     without configure permission cannot publish into and a relay would declare anew
-    behind the operator's back. Steps found that ``ladder`` lacks are fine for it (a
-    Scheduler on a sub-range, tests/test_field_cases.py F02b): see ``extra_steps``.
+    behind the operator's back. No step at all (a prefix declared by hopsched < 0.2),
+    or steps with holes (queues an operator or a policy deleted) are no other ladder:
+    the missing ones are declared again, as for one (F27). Steps found that ``ladder``
+    lacks are fine for it (a Scheduler on a sub-range, tests/test_field_cases.py F02b;
+    ``check_ladder`` logs them).
     """
     present = set(found)
     missing = [step for step in ladder.steps if step not in present]
-    if not present or len(missing) <= TOLERATED_MISSING_STEPS:
-        return None  # no step at all: no ladder to conflict with (they are declared)
+    if len(missing) <= TOLERATED_MISSING_STEPS or ladder_of(present) is None:
+        return None  # none at all, or holes (queues deleted): declared again, F27
     return LadderMismatchError(
         prefix,
         ladder.description,
