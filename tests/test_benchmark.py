@@ -278,3 +278,39 @@ def test_a_burst_on_a_private_node_with_a_plugin_from_another_directory(tmp_path
     row = report["strategies"]["broker-floor, 50 at once"]
     assert (row["scheduled"], row["delivered"], row["lost"], row["early"]) == (50, 50, 0, 0)
     assert "delayed-exchange, 50 at once" in report["strategies"]  # available or not
+
+
+def test_ladder_option_parses_labels_and_refuses_a_bad_ladder() -> None:
+    ladder = _bench("bench_ladder")
+    assert ladder.parse_ladder("default") == {}
+    fields = ladder.parse_ladder("step_ratio=4, min_step_ms=1024, max_step_ms=2**30")
+    assert fields == {"step_ratio": 4, "min_step_ms": 1024, "max_step_ms": 2**30}
+    assert ladder.ladder_name(fields) == "ratio4-min1024-max1073741824"
+    assert ladder.parse_label(ladder.ladder_name(fields)) == fields
+    assert ladder.ladder_environment({"step_ratio": 4}) == {"HOPSCHED_STEP_RATIO": "4"}
+    with pytest.raises(ValueError, match="powers of four"):
+        ladder.parse_ladder("step_ratio=4,min_step_ms=32")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        ladder.parse_ladder("hold_window_ms=10")
+
+
+def test_a_tiny_run_per_ladder_gives_the_relay_and_the_scheduler_that_ladder(
+    broker_url: str, tmp_path: Path
+) -> None:
+    """A ratio-4 row whose relay ran the default ladder would be refused at its start
+    (``LadderMismatchError``): the row delivering everything shows both had ratio 4."""
+    out = tmp_path / "out.json"
+    command = [
+        sys.executable, str(SCRIPT),
+        "--count", "20", "--rate", "50", "--delays", "loguniform:10ms:6s",
+        "--strategies", "hopsched-quorum", "--ladder", "default", "--ladder", "step_ratio=4",
+        "--url", broker_url, "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    strategies = json.loads(out.read_text())["strategies"]
+    assert set(strategies) == {"hopsched-quorum", "hopsched-quorum/ratio4"}
+    for name, row in strategies.items():
+        assert (row["delivered"], row["lost"], row["early"]) == (20, 0, 0), name
+    assert strategies["hopsched-quorum/ratio4"]["ladder"].startswith("step_ratio=4,")
+    assert strategies["hopsched-quorum"]["ladder"].startswith("step_ratio=2,")
