@@ -298,12 +298,14 @@ def _ms(value: int) -> str:
 
 def describe_steps(steps: Collection[int], ratio: int | None = None) -> str:
     """Step TTLs (ms) as the settings that give them, e.g. ``step_ratio=4,
-    min_step_ms=16, max_step_ms=2**32 (15 steps)``; a set that is no ladder as a list."""
+    min_step_ms=16, max_step_ms=2**32 (15 steps)``; a set that is no ladder as a list.
+    ``ratio``: the ratio to name for a single step (a ladder of either ratio)."""
     found = sorted(steps)
     ladder = ladder_of(found)
-    if ladder is None or (ratio is not None and len(found) == 1 and ladder.step_ratio != ratio):
+    if ladder is None:
         return f"steps {', '.join(_ms(step) for step in found)} ms (no ladder hopsched declares)"
-    step_ratio = ladder.step_ratio if ratio is None or len(found) > 1 else ratio
+    # one step is a ladder of either ratio: ``ratio`` says which (Ladder.description)
+    step_ratio = ratio if ratio is not None and len(found) == 1 else ladder.step_ratio
     return (
         f"step_ratio={step_ratio}, min_step_ms={_ms(found[0])}, max_step_ms={_ms(found[-1])}"
         f" ({len(found)} step{'s' if len(found) > 1 else ''})"

@@ -729,6 +729,7 @@ def test_the_steps_on_the_broker_tell_their_ladder(ladder: Ladder) -> None:
     found = ladder_of(ladder.steps)
     assert found is not None
     assert found.steps == ladder.steps
+    assert ladder.description.startswith(f"step_ratio={ladder.step_ratio}, ")
     assert ladder_of([16, 32, 128]) is None
     assert "no ladder" in describe_steps([16, 32, 128])
 
