@@ -836,8 +836,12 @@ async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None]
         fold = await read_journal(settings, copies=False)
     except HopschedError as error:
         return f"not read: {error}"
-    found = fold.pending()
-    return len(found), fold.due_us(found[0]) if found else None
+    count, next_due = 0, None
+    for schedule_id in fold.pending():
+        if not count:
+            next_due = fold.due_us(schedule_id)
+        count += 1
+    return count, next_due
 
 
 def _journal_line(journal: tuple[int, int | None] | str) -> str:
