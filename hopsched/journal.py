@@ -598,6 +598,29 @@ class JournalFold:
         id (its due time and row), about 44 bytes (a million: 44 MB; a list of ids was
         89, of (due, id) tuples 160).
         """
+        for row in self._pending_rows(due_before_us, routing_key, limit):
+            yield self._ids.id_at(row)
+
+    def pending_infos(
+        self,
+        now_us: int,
+        hold_window_us: int,
+        due_before_us: int | None = None,
+        routing_key: str | None = None,
+        limit: int | None = None,
+    ) -> Iterator[ScheduleInfo]:
+        """``info()`` of each id ``pending()`` lists, in its order (no look-up by id)."""
+        for row in self._pending_rows(due_before_us, routing_key, limit):
+            entry = self._entry_at(row)
+            assert entry is not None
+            info = _info(self._ids.id_at(row), entry, now_us, hold_window_us)
+            assert info is not None
+            yield info
+
+    def _pending_rows(
+        self, due_before_us: int | None, routing_key: str | None, limit: int | None
+    ) -> Iterator[int]:
+        """The rows ``pending()`` lists, in its order."""
         if limit == 0:
             return
         # A routing key's index in the columns' strings (-1: no row in the columns has it).
@@ -621,20 +644,20 @@ class JournalFold:
         keys.sort()
         yield from itertools.islice(self._by_id_within_due(keys), limit)
 
-    def _by_id_within_due(self, keys: list[int]) -> Iterator[str]:
-        """The ids of sorted ``keys`` (by due, then row), ids due at one instant by id."""
-        ties: list[str] = []
+    def _by_id_within_due(self, keys: list[int]) -> Iterator[int]:
+        """The rows of sorted ``keys`` (by due, then row), rows due at one instant by id."""
+        tied: list[int] = []  # the rows due at one instant: rarely more than one
         tied_due = None
         for key in keys:
             due = key >> _ROW_BITS
             if due != tied_due:
-                ties.sort()
-                yield from ties
-                ties.clear()
+                tied.sort(key=self._ids.id_at)
+                yield from tied
+                tied.clear()
                 tied_due = due
-            ties.append(self._ids.id_at(key & _ROW_MASK))
-        ties.sort()
-        yield from ties
+            tied.append(key & _ROW_MASK)
+        tied.sort(key=self._ids.id_at)
+        yield from tied
 
     def pending_copies(self) -> int:
         """With ``only``: how many of its copies are pending (read, neither delivered nor

@@ -842,10 +842,8 @@ class Scheduler:
             raise InvalidScheduleError(f"limit={limit}: give a count >= 0, or None for all")
         fold = await read_journal(self.settings, copies=False)
         now, hold_us = self._clock(), self._ladder.hold_window_ms * US_PER_MS
-        for schedule_id in fold.pending(before, target, limit):
-            info = fold.info(schedule_id, now, hold_us)
-            if info is not None:
-                yield info
+        for info in fold.pending_infos(now, hold_us, before, target, limit):
+            yield info
 
     def _identify(self, schedule: str | Scheduled, due: datetime | None) -> tuple[str, int | None]:
         if isinstance(schedule, Scheduled):
