@@ -3,6 +3,7 @@ broker (``hopsched.journal``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import zlib
@@ -363,6 +364,13 @@ many_records = st.one_of(
 )  # fmt: skip
 
 
+class _SmallPasses(JournalFold):
+    """A fold whose listing sorts about two rows at a time."""
+
+    SORT_PASS = 2
+
+
+@pytest.mark.parametrize("folding", [JournalFold, _SmallPasses])
 @given(
     st.lists(many_records, max_size=40),
     st.none() | tied_dues,
@@ -370,9 +378,15 @@ many_records = st.one_of(
     st.none() | st.integers(0, 8),
 )
 def test_the_pending_listing_of_many_ids_orders_ties_by_id_and_stops_at_the_limit(
-    written: list[JournalRecord], before: int | None, routing_key: str | None, limit: int | None
+    folding: type[JournalFold],
+    written: list[JournalRecord],
+    before: int | None,
+    routing_key: str | None,
+    limit: int | None,
 ) -> None:
-    journal = fold(*written)
+    journal = folding()
+    for record in written:
+        journal.apply(record)
     expected = sorted(
         (info.due_us, info.schedule_id)
         for info in journal.infos(NOW, HOLD_US)
@@ -423,6 +437,17 @@ def test_the_columns_give_what_the_records_kept_as_objects_give(
         objects.infos(NOW, HOLD_US), key=key
     )
     assert list(columns.pending()) == list(objects.pending())
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1) | tied_dues), st.integers(1, 200))
+def test_the_listing_s_due_ranges_cover_every_due_time_once_in_order(
+    dues: list[int], per_range: int
+) -> None:
+    ranges = list(journal_module._due_ranges(dues, per_range))
+
+    assert all(low < high for low, high in ranges)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert all(sum(low <= due < high for low, high in ranges) == 1 for due in dues)
 
 
 # --- retention -------------------------------------------------------------------------
