@@ -5,7 +5,7 @@ Why not a ``dict[str, int]``: listing a million pending schedules held a million
 strings (81 bytes each for a 32-character id), their dict slots (30 MiB, and 44 MiB for
 a moment while the dict doubled) and an int object per row above 256 (28 bytes). Here
 an id is its UTF-8 bytes in one shared buffer, an 8-byte end offset and an 8-byte hash,
-and the table a ``array('i')`` of rows kept at most half full (4 to 16 bytes an id):
+and the table an ``array('i')`` of rows kept at most half full (4 to 16 bytes an id):
 56 to 64 bytes for a 32-character id.
 """
 
