@@ -672,13 +672,16 @@ class JournalFold:
         for key in keys:
             due = key >> _ROW_BITS
             if due != tied_due:
-                tied.sort(key=self._ids.id_at)
-                yield from tied
+                yield from self._by_id(tied)
                 tied.clear()
                 tied_due = due
             tied.append(key & _ROW_MASK)
-        tied.sort(key=self._ids.id_at)
-        yield from tied
+        yield from self._by_id(tied)
+
+    def _by_id(self, rows: list[int]) -> list[int]:
+        if len(rows) > 1:  # their ids are made only to order them
+            rows.sort(key=self._ids.id_at)
+        return rows
 
     def pending_copies(self) -> int:
         """With ``only``: how many of its copies are pending (read, neither delivered nor
