@@ -2,9 +2,12 @@
 (100-byte bodies, one byte repeated or random; due in an hour or more; ``schedule_many``
 in batches of 10,000) on a prefix of its own, times ``pending()`` over all of them and
 one ``get()``, prints the peak RSS before and after (``getrusage``), and tears the
-prefix down.
+prefix down (with ``--keep``: leaves it, to time ``hopsched pending --prefix P`` in a
+process of its own and ``du`` the journal's stream files; ``hopsched teardown --force``
+removes it).
 
-    python -P benchmarks/journal_pending.py --count 1000000 [--random-bodies] [--url URL]
+    python -P benchmarks/journal_pending.py --count 1000000 [--random-bodies] [--keep]
+        [--url URL]
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ async def main() -> None:
         "--random-bodies",
         action="store_true",
         help="bodies of random bytes (nothing to compress), not one byte repeated",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the prefix on the broker (printed)"
     )
     args = parser.parse_args()
 
@@ -62,9 +68,12 @@ async def main() -> None:
                 await scheduler.get(last)
                 print(f"get() in {time.monotonic() - started:.1f} s")
     finally:
-        connection = await connect(settings)
-        async with connection:
-            await hopsched.Topology.from_settings(settings).teardown(connection, force=True)
+        if args.keep:
+            print(f"kept prefix {settings.prefix}")
+        else:
+            connection = await connect(settings)
+            async with connection:
+                await hopsched.Topology.from_settings(settings).teardown(connection, force=True)
 
 
 asyncio.run(main())

@@ -36,17 +36,22 @@ cannot read (a newer hopsched's, noise).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+import math
 import struct
 import sys
 import zlib
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from hopsched.clock import us_to_datetime
 from hopsched.envelope import Envelope
+from hopsched.id_table import IdTable
 
 __all__ = [
     "CANCELLED",
@@ -472,13 +477,14 @@ def _copy_rank(record: JournalRecord) -> tuple[tuple[int, int], bool, bool, int,
     )
 
 
-#: A pending id's newest ``scheduled`` record without a copy, packed (``JournalFold``):
-#: created, at, due and occurrence (µs, µs, µs, count), size (-1: None), then the indices
-#: of its exchange, routing key, owner and origin in the fold's table of strings.
-_PACKED = struct.Struct("<qqqqiIIII")
-_DUE_AT, _ROUTING_KEY_AT = 16, 40
-_INT64 = struct.Struct("<q")
-_UINT32 = struct.Struct("<I")
+#: Numbers a column holds (``array('q')``) are above ``_UNSET`` and at most ``_INT64_MAX``;
+#: a record with one outside is kept as it is. ``_at`` is ``_UNSET`` in a row not filled yet.
+_UNSET, _INT64_MAX = -(2**63), 2**63 - 1
+#: The columns of a row not filled yet (created, at, due, occurrence, size, strings).
+_UNSET_ROW = (0, _UNSET, 0, 0, 0, 0, 0, 0, 0)
+#: A listing's sort key is ``due << _ROW_BITS | row`` (one int per pending id, no tuple).
+_ROW_BITS = 32
+_ROW_MASK = 2**_ROW_BITS - 1
 
 
 class JournalFold:
@@ -487,26 +493,45 @@ class JournalFold:
     Args:
         only: fold only this id's records (the others are ignored).
 
-    Memory: per id read, its newest copy's record, and an entry (three references) only
-    for an id with an outcome or a cancel read. A pending id read without its copy (a
-    listing) is 52 packed bytes (``_PACKED``), about 220 bytes with its id and its
-    place in the dict: a record with its numbers as Python objects was 355.
+    Memory: each id read has a row (``IdTable``). While an id's records are only
+    ``scheduled`` records without a copy (a pending id, read by a listing), its newest
+    one lives in the fold's columns: one ``array`` per field, its strings by index in one
+    table: 127 bytes with its id (32 characters), measured over 300,000, where a dict of
+    id strings to packed bytes took 218 (``benchmarks/results/journal/pending.md``). Any
+    other id's row has an object: its newest copy's record, or an entry (three
+    references) once an outcome or a cancel of it was read. An id is never dropped: a
+    record read later (the fold does not depend on the order) must find its state.
     """
+
+    #: A listing sorts its rows in passes of about this many, each a range of due times
+    #: (``_due_ranges``): one int per row at once, for a million rows, was 44 MB.
+    SORT_PASS = 2**17
 
     def __init__(self, only: str | None = None) -> None:
         self.only = only
-        #: An id's newest ``scheduled`` record while nothing else is known of it (packed
-        #: if it has no copy), else its ``_Entry``.
-        self._entries: dict[str, _Entry | JournalRecord | bytes] = {}
-        self._strings: list[str | None] = [None]  # a packed record's strings, by index
+        self._ids = IdTable()
+        #: A row's newest ``scheduled`` record while it is alone (no copy, numbers that
+        #: fit): created, at, due (µs), occurrence, size (-1: None), and the indices of
+        #: its exchange, routing key, owner and origin in ``_strings``.
+        self._created, self._at, self._due = array("q"), array("q"), array("q")
+        self._occurrence, self._size = array("q"), array("q")
+        self._exchange, self._routing_key = array("I"), array("I")
+        self._owner, self._origin = array("I"), array("I")
+        self._columns = (
+            self._created, self._at, self._due, self._occurrence, self._size,
+            self._exchange, self._routing_key, self._owner, self._origin,
+        )  # fmt: skip
+        self._strings: list[str | None] = [None]
         self._string_index: dict[str | None, int] = {None: 0}
+        #: The rows whose state is an object (their columns are left as they were).
+        self._objects: dict[int, _Entry | JournalRecord] = {}
         #: With ``only``: every copy of it read (its version) and whether it had an
         #: outcome, and every cancel's instant (``pending_copies``).
         self._copies: dict[tuple[int, int], bool] = {}
         self._cancels: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._ids)
 
     def apply(self, record: JournalRecord) -> None:
         """Fold one record in (a marker is ignored)."""
@@ -520,15 +545,24 @@ class JournalFold:
                     self._cancels.append(record.created_us - 1)
                 version = _version(record)
                 self._copies[version] = self._copies.get(version, False) or record.op != SCHEDULED
-        entry = self._entry(record.schedule_id)
+        row, new = self._ids.add(record.schedule_id)
+        entry = None
+        if new:
+            values = self._row_values(record) if record.op == SCHEDULED else None
+            for column, value in zip(self._columns, values or _UNSET_ROW, strict=True):
+                column.append(value)
+            if values is not None:
+                return
+        else:
+            entry = self._entry_at(row)
         if entry is None or isinstance(entry, JournalRecord):
             if record.op == SCHEDULED:  # an id with copies only: its newest is all there is
                 if entry is None or _copy_rank(record) > _copy_rank(entry):
-                    self._entries[record.schedule_id] = self._pack(record)
+                    self._keep(row, record)
                 return
             plain, entry = entry, _Entry()
             entry.copy = plain
-            self._entries[record.schedule_id] = entry
+            self._objects[row] = entry
         if record.op == CANCELLED:
             entry.cancels.append(record.at_us)
             return
@@ -550,36 +584,104 @@ class JournalFold:
     def info(self, schedule_id: str, now_us: int, hold_window_us: int) -> ScheduleInfo | None:
         """What is known of ``schedule_id`` at ``now_us`` (µs since the epoch), None if no
         record of a copy of it was read (a cancel alone does not make an id known)."""
-        entry = self._entry(schedule_id)
-        if entry is None:
+        row = self._ids.find(schedule_id)
+        if row < 0:
             return None
+        entry = self._entry_at(row)
+        assert entry is not None
         return _info(schedule_id, entry, now_us, hold_window_us)
 
     def pending(
-        self, due_before_us: int | None = None, routing_key: str | None = None
-    ) -> list[str]:
+        self,
+        due_before_us: int | None = None,
+        routing_key: str | None = None,
+        limit: int | None = None,
+    ) -> Iterator[str]:
         """The ids of every pending (or held) schedule, due before ``due_before_us`` and
-        with ``routing_key`` if given, in due order (then by id); ``due_us(id)`` gives
-        each one's due time. (A list of ids, no tuple per id: a million pending are
-        listed in 8 MB, not 72.)"""
-        found = []
-        for schedule_id, entry in self._entries.items():
-            if type(entry) is bytes:  # pending: read in place
-                (due,) = _INT64.unpack_from(entry, _DUE_AT)
-                target = self._strings[_UINT32.unpack_from(entry, _ROUTING_KEY_AT)[0]]
-            else:
-                assert not isinstance(entry, bytes)
-                copy = _pending_copy(entry)
+        with ``routing_key`` if given, in due order (then by id), at most ``limit``;
+        ``due_us(id)`` gives each one's due time.
+
+        Each id is made as it is yielded: what is held meanwhile is one int per pending
+        id (its due time and row), about 44 bytes (a million: 44 MB; a list of ids was
+        89, of (due, id) tuples 160).
+        """
+        for row in self._pending_rows(due_before_us, routing_key, limit):
+            yield self._ids.id_at(row)
+
+    def pending_infos(
+        self,
+        now_us: int,
+        hold_window_us: int,
+        due_before_us: int | None = None,
+        routing_key: str | None = None,
+        limit: int | None = None,
+    ) -> Iterator[ScheduleInfo]:
+        """``info()`` of each id ``pending()`` lists, in its order (no look-up by id)."""
+        for row in self._pending_rows(due_before_us, routing_key, limit):
+            entry = self._entry_at(row)
+            assert entry is not None
+            info = _info(self._ids.id_at(row), entry, now_us, hold_window_us)
+            assert info is not None
+            yield info
+
+    def _pending_rows(
+        self, due_before_us: int | None, routing_key: str | None, limit: int | None
+    ) -> Iterator[int]:
+        """The rows ``pending()`` lists, in its order."""
+        if limit == 0:
+            return
+        # A routing key's index in the columns' strings (-1: no row in the columns has it).
+        wanted = None if routing_key is None else self._string_index.get(routing_key, -1)
+        dues, rows = array("q"), array("L")  # the listed rows and their due times
+        objects = self._objects
+        for row, (due, target) in enumerate(zip(self._due, self._routing_key, strict=True)):
+            if row in objects:
+                copy = _pending_copy(objects[row])
                 if copy is None or copy.due_us is None:
                     continue
-                due, target = copy.due_us, copy.routing_key
-            if due_before_us is not None and due >= due_before_us:
-                continue
-            if routing_key is None or target == routing_key:
-                found.append(schedule_id)
-        found.sort()
-        found.sort(key=lambda schedule_id: self.due_us(schedule_id) or 0)  # stable: by id next
-        return found
+                due, matches = copy.due_us, routing_key in (None, copy.routing_key)
+            else:
+                matches = wanted is None or target == wanted
+            if matches and (due_before_us is None or due < due_before_us):
+                dues.append(due)
+                rows.append(row)
+        # Only the rows due no later than the limit-th: its ties too, ordered by id below.
+        last = heapq.nsmallest(limit, dues)[-1] if limit is not None and limit < len(dues) else None
+        listed = 0
+        for low, high in _due_ranges(dues, self.SORT_PASS):
+            if last is not None:
+                if low > last:
+                    return
+                high = min(high, last + 1)
+            keys = [
+                due << _ROW_BITS | row
+                for due, row in zip(dues, rows, strict=True)
+                if low <= due < high
+            ]
+            keys.sort()
+            for row in self._by_id_within_due(keys):
+                yield row
+                listed += 1
+                if listed == limit:
+                    return
+
+    def _by_id_within_due(self, keys: list[int]) -> Iterator[int]:
+        """The rows of sorted ``keys`` (by due, then row), rows due at one instant by id."""
+        tied: list[int] = []  # the rows due at one instant: rarely more than one
+        tied_due = None
+        for key in keys:
+            due = key >> _ROW_BITS
+            if due != tied_due:
+                yield from self._by_id(tied)
+                tied.clear()
+                tied_due = due
+            tied.append(key & _ROW_MASK)
+        yield from self._by_id(tied)
+
+    def _by_id(self, rows: list[int]) -> list[int]:
+        if len(rows) > 1:  # their ids are made only to order them
+            rows.sort(key=self._ids.id_at)
+        return rows
 
     def pending_copies(self) -> int:
         """With ``only``: how many of its copies are pending (read, neither delivered nor
@@ -594,54 +696,84 @@ class JournalFold:
     def due_us(self, schedule_id: str) -> int | None:
         """The due time (µs since the epoch) of ``schedule_id``'s newest copy, None if
         no record of a copy of it was read."""
-        entry = self._entries.get(schedule_id)
-        if type(entry) is bytes:
-            return int(_INT64.unpack_from(entry, _DUE_AT)[0])
-        assert not isinstance(entry, bytes)
-        copy = entry if entry is None or isinstance(entry, JournalRecord) else entry.copy
+        row = self._ids.find(schedule_id)
+        if row < 0:
+            return None
+        entry = self._objects.get(row)
+        if entry is None:
+            return self._due[row]
+        copy = entry if isinstance(entry, JournalRecord) else entry.copy
         return None if copy is None else copy.due_us
 
     def infos(self, now_us: int, hold_window_us: int) -> Iterator[ScheduleInfo]:
         """Every known id's ``ScheduleInfo``, in no particular order."""
-        for schedule_id in self._entries:
-            entry = self._entry(schedule_id)
+        for row in range(len(self._ids)):
+            entry = self._entry_at(row)
             assert entry is not None
-            info = _info(schedule_id, entry, now_us, hold_window_us)
+            info = _info(self._ids.id_at(row), entry, now_us, hold_window_us)
             if info is not None:
                 yield info
 
-    def _entry(self, schedule_id: str) -> _Entry | JournalRecord | None:
-        entry = self._entries.get(schedule_id)
-        if type(entry) is not bytes:
-            assert not isinstance(entry, bytes)
+    def _entry_at(self, row: int) -> _Entry | JournalRecord | None:
+        """Row ``row``'s state: its object, or its columns as a record (None: a row just
+        added, with nothing in it yet)."""
+        entry = self._objects.get(row)
+        if entry is not None or self._at[row] == _UNSET:
             return entry
-        created, at, due, occurrence, size, *texts = _PACKED.unpack(entry)
-        exchange, routing_key, owner, origin = (self._strings[index] for index in texts)
+        strings, size = self._strings, self._size[row]
         return JournalRecord(
-            SCHEDULED, schedule_id, at, created, due, exchange, routing_key,
-            None if size < 0 else size, owner, None, origin, None, occurrence,
+            SCHEDULED, self._ids.id_at(row), self._at[row], self._created[row], self._due[row],
+            strings[self._exchange[row]], strings[self._routing_key[row]],
+            None if size < 0 else size, strings[self._owner[row]], None,
+            strings[self._origin[row]], None, self._occurrence[row],
         )  # fmt: skip
 
-    def _pack(self, record: JournalRecord) -> JournalRecord | bytes:
-        """``record`` packed (``_PACKED``), or as it is if it holds a copy or a number
-        the packing cannot carry (a record a hopsched did not write)."""
-        if record.copy is not None:
-            return record
-        index = self._string_index
-        texts = []
-        for text in (record.exchange, record.routing_key, record.owner, record.origin):
-            at = index.get(text)
-            if at is None:
-                at = index[text] = len(self._strings)
-                self._strings.append(text)
-            texts.append(at)
-        size = -1 if record.size is None else record.size
-        try:
-            return _PACKED.pack(
-                record.created_us, record.at_us, record.due_us, record.occurrence, size, *texts
-            )
-        except struct.error:
-            return record
+    def _keep(self, row: int, record: JournalRecord) -> None:
+        """``record`` as ``row``'s state: in its columns if it fits them, else as an object."""
+        values = self._row_values(record)
+        if values is None:
+            self._objects[row] = record
+            return
+        self._objects.pop(row, None)
+        for column, value in zip(self._columns, values, strict=True):
+            column[row] = value
+
+    def _row_values(self, record: JournalRecord) -> tuple[int, ...] | None:
+        """A ``scheduled`` record's values for the columns, None if it does not fit them:
+        it holds a copy, or a number a column cannot carry (a record a hopsched did not
+        write)."""
+        due, size = record.due_us, -1 if record.size is None else record.size
+        numbers = (record.created_us, record.at_us, due or 0, record.occurrence, size)
+        if (
+            record.copy is not None
+            or due is None
+            or (record.size or 0) < 0
+            or min(numbers) <= _UNSET  # the lowest int64 marks a row not filled yet
+            or max(numbers) > _INT64_MAX
+        ):
+            return None
+        string = self._string
+        return (
+            *numbers, string(record.exchange), string(record.routing_key),
+            string(record.owner), string(record.origin),
+        )  # fmt: skip
+
+    def _string(self, text: str | None) -> int:
+        at = self._string_index.get(text)
+        if at is None:
+            at = self._string_index[text] = len(self._strings)
+            self._strings.append(text)
+        return at
+
+
+def _due_ranges(dues: Sequence[int], per_range: int) -> Iterator[tuple[float, float]]:
+    """Ranges [low, high) of due times, in order, that cover every one of ``dues`` and
+    hold about ``per_range`` of them each (bounds from a sorted sample of 64 a range)."""
+    step = max(1, per_range // 64)
+    every = max(1, per_range // step)  # samples a range
+    sample = sorted(dues[::step])
+    bounds = sorted(set(sample[every::every]))
+    yield from itertools.pairwise([-math.inf, *bounds, math.inf])
 
 
 def _pending_copy(entry: _Entry | JournalRecord) -> JournalRecord | None:

@@ -829,8 +829,9 @@ class Scheduler:
             target: only those with this routing key.
             limit: at most this many.
 
-        It reads the whole journal first (as ``get()``), holding one small entry per
-        schedule id read, no message bodies.
+        It reads the whole journal first (as ``get()``), holding one small row per
+        schedule id read, no message bodies (``JournalFold``), and makes each
+        ``ScheduleInfo`` as it is yielded.
 
         Raises:
             InvalidScheduleError: a naive ``due_before``, a negative ``limit``.
@@ -841,13 +842,8 @@ class Scheduler:
             raise InvalidScheduleError(f"limit={limit}: give a count >= 0, or None for all")
         fold = await read_journal(self.settings, copies=False)
         now, hold_us = self._clock(), self._ladder.hold_window_ms * US_PER_MS
-        found = fold.pending(before, target)
-        if limit is not None:
-            del found[limit:]
-        for schedule_id in found:
-            info = fold.info(schedule_id, now, hold_us)
-            if info is not None:
-                yield info
+        for info in fold.pending_infos(now, hold_us, before, target, limit):
+            yield info
 
     def _identify(self, schedule: str | Scheduled, due: datetime | None) -> tuple[str, int | None]:
         if isinstance(schedule, Scheduled):

@@ -3,6 +3,7 @@ broker (``hopsched.journal``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import zlib
@@ -26,6 +27,7 @@ from hopsched.journal import (
     Copy,
     JournalFold,
     JournalRecord,
+    ScheduleInfo,
     decode_journal,
     delivered_record,
     encode_journal,
@@ -340,6 +342,112 @@ def test_the_pending_listing_is_the_pending_and_held_infos_in_due_order(
 
     listed = journal.pending(before, routing_key)
     assert [(journal.due_us(schedule_id), schedule_id) for schedule_id in listed] == expected
+
+
+many_ids = st.text("abcdefgh", min_size=1, max_size=3)
+tied_dues = st.integers(NOW - 3, NOW + 3)  # several ids due at one instant
+many_records = st.one_of(
+    st.builds(
+        lambda sid, c, due, rk, size: scheduled(sid, c, due, routing_key=rk, size=size),
+        many_ids, instants, tied_dues, st.sampled_from(["q", "r"]),
+        st.none() | st.integers(0, 2**70),  # a size no column carries: kept as a record
+    ),
+    st.builds(
+        lambda sid, c, due: scheduled(sid, c, due, copy=Copy(b"p", b"b")),
+        many_ids, instants, tied_dues,
+    ),
+    st.builds(
+        lambda op, sid, c, at: outcome(op, sid, c, NOW, at),
+        st.sampled_from([DELIVERED, PARKED]), many_ids, instants, instants,
+    ),
+    st.builds(cancelled, many_ids, instants),
+)  # fmt: skip
+
+
+class _SmallPasses(JournalFold):
+    """A fold whose listing sorts about two rows at a time."""
+
+    SORT_PASS = 2
+
+
+@pytest.mark.parametrize("folding", [JournalFold, _SmallPasses])
+@given(
+    st.lists(many_records, max_size=40),
+    st.none() | tied_dues,
+    st.none() | st.sampled_from(["q", "r", "s"]),
+    st.none() | st.integers(0, 8),
+)
+def test_the_pending_listing_of_many_ids_orders_ties_by_id_and_stops_at_the_limit(
+    folding: type[JournalFold],
+    written: list[JournalRecord],
+    before: int | None,
+    routing_key: str | None,
+    limit: int | None,
+) -> None:
+    journal = folding()
+    for record in written:
+        journal.apply(record)
+    expected = sorted(
+        (info.due_us, info.schedule_id)
+        for info in journal.infos(NOW, HOLD_US)
+        if info.state in (PENDING, HELD)
+        and (before is None or info.due_us < before)
+        and routing_key in (None, info.routing_key)
+    )[:limit]
+
+    listed = journal.pending(before, routing_key, limit)
+    assert [(journal.due_us(schedule_id), schedule_id) for schedule_id in listed] == expected
+
+
+@given(st.lists(many_records, max_size=40))
+def test_every_id_read_is_counted_and_looked_up_as_listed(
+    written: list[JournalRecord],
+) -> None:
+    journal = fold(*written)
+    known = {r.schedule_id for r in written if r.op != CANCELLED}
+
+    assert len(journal) == len({r.schedule_id for r in written})
+    assert {info.schedule_id for info in journal.infos(NOW, HOLD_US)} == known
+    for info in journal.infos(NOW, HOLD_US):
+        assert journal.info(info.schedule_id, NOW, HOLD_US) == info
+        assert journal.due_us(info.schedule_id) == info.due_us
+
+
+class _RecordsOnly(JournalFold):
+    """A fold that keeps every id as objects: its columns never used."""
+
+    def _row_values(self, record: JournalRecord) -> None:
+        return None
+
+
+@given(st.lists(many_records, max_size=40))
+def test_the_columns_give_what_the_records_kept_as_objects_give(
+    written: list[JournalRecord],
+) -> None:
+    """A pending id's newest record lives in the fold's columns: the answers must be the
+    same as if it were kept as it is."""
+    columns, objects = fold(*written), _RecordsOnly()
+    for record in written:
+        objects.apply(record)
+
+    def key(info: ScheduleInfo) -> str:
+        return info.schedule_id
+
+    assert sorted(columns.infos(NOW, HOLD_US), key=key) == sorted(
+        objects.infos(NOW, HOLD_US), key=key
+    )
+    assert list(columns.pending()) == list(objects.pending())
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1) | tied_dues), st.integers(1, 200))
+def test_the_listing_s_due_ranges_cover_every_due_time_once_in_order(
+    dues: list[int], per_range: int
+) -> None:
+    ranges = list(journal_module._due_ranges(dues, per_range))
+
+    assert all(low < high for low, high in ranges)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert all(sum(low <= due < high for low, high in ranges) == 1 for due in dues)
 
 
 # --- retention -------------------------------------------------------------------------
