@@ -380,7 +380,8 @@ async def run_workload(
     points = [(by_id[i], d) for i, d in collector.deliveries.items()]
     if isinstance(strategy, Hopsched):  # the others' hops count x-death, not a ladder
         summary["hold_window_ms"] = strategy.settings.hold_window_ms
-        summary["ladder"] = strategy.settings.ladder.description
+        # a hopsched measured through --hopsched-path may predate Ladder.description
+        summary["ladder"] = getattr(strategy.settings.ladder, "description", None)
         summary["hops_by_decade"] = hops_by_decade(points, strategy.settings.hold_window_ms)
     return Run(summary, points)
 
