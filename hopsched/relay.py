@@ -90,10 +90,6 @@ _HELD_OVERHEAD = 600
 #: due at once, killed 0.1 s after, had duplicated 3,800). 256 in flight still keep a
 #: lane at the broker's pace (see docs/guarantees.md for the figures).
 LANE_WINDOW = 256
-#: While paced, the relay reads its connection at most this often (s), or when its timer
-#: fires (``hopsched.amqp.Connection.coalesce_reads``): a hop lands half the hold window
-#: before its due time, so a delivery read 2 ms later is not later at its target.
-READ_EVERY_S = 0.002
 
 
 class Relay:
@@ -402,9 +398,6 @@ class _Session:
         cancelled = asyncio.Event()
         tag = await self._consume(channel, cancelled)
         relay._consuming.set()
-        # Nothing read is urgent once consuming: a delivery is held until due, a confirm
-        # leads to an ack. Paced, reads then share wake-ups (with the timer's, mostly).
-        self.connection.coalesce_reads(READ_EVERY_S)
         log.info(
             "relay consuming %s on node %s (prefetch %d, %s ladder %s)",
             topology.relay_queue,
@@ -672,7 +665,6 @@ class _Session:
 
     def _release(self, final: _Final) -> None:
         """Its due time came (``Holds``' timer): deliver it, unless cancelled or moved."""
-        self.connection.read_now()  # awake anyway: read what came meanwhile
         if final.done:
             return
         final.done = True

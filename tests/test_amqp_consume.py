@@ -266,13 +266,12 @@ async def test_an_on_cancel_that_raises_is_logged_and_the_channel_goes_on(
     assert "a bug in on_cancel" in caplog.text
 
 
-async def test_a_lazy_ack_is_sent_on_its_own_and_coalesced_reads_miss_nothing(
+async def test_a_lazy_ack_is_sent_on_its_own_and_many_lazy_acks_all_take_effect(
     connection: amqp.Connection, broker_url: str, cleanup: Cleanup
 ) -> None:
     """A lazy ack with nothing else to write still reaches the broker (within
-    ``LAZY_SEND_S``): after it, a dropped connection redelivers nothing. With reads
-    coalesced (``coalesce_reads``), paced deliveries and confirms all arrive, in order,
-    and the acks of all of them take effect."""
+    ``LAZY_SEND_S``): after it, a dropped connection redelivers nothing. Lazy acks of
+    paced deliveries, between publishes, all take effect too."""
     channel = await confirming(connection)
     queue = await declare(channel, cleanup)
     outcomes = Outcomes()
@@ -285,26 +284,28 @@ async def test_a_lazy_ack_is_sent_on_its_own_and_coalesced_reads_miss_nothing(
     await asyncio.sleep(LAZY_SEND_S + 0.1)  # nothing else is written meanwhile
     connection.abort()  # no close: what was not sent is lost with the socket
 
-    coalescing: amqp.Connection = await open_connection(broker_url)
+    second: amqp.Connection = await open_connection(broker_url)
     try:
-        coalescing.coalesce_reads(0.02)  # long, so that reads are really put off
-        channel = await confirming(coalescing)
+        channel = await confirming(second)
         deliveries = Deliveries()
-        await channel.consume(queue, deliveries.on_delivery, deliveries.on_cancel)
+
+        def received(delivery: amqp.Delivery) -> None:
+            deliveries.on_delivery(delivery)
+            channel.ack(delivery.delivery_tag, lazy=True)
+
+        await channel.consume(queue, received, deliveries.on_cancel)
         await asyncio.sleep(0.3)
         assert deliveries.received == [], "the lazily acked message came back"
         outcomes = Outcomes()
-        for index in range(50):  # paced: each read brings little
+        for index in range(50):  # paced: each ack waits for the next publish, or 5 ms
             channel.publish("", queue, b"%d" % index, encoded(), callback=outcomes.callback(index))
             await asyncio.sleep(0.002)
         await outcomes.wait()
         got = await deliveries.wait_for(50)
         assert [delivery.body for delivery in got] == [b"%d" % index for index in range(50)]
-        for delivery in got:
-            channel.ack(delivery.delivery_tag, lazy=True)
         await asyncio.sleep(LAZY_SEND_S + 0.1)
     finally:
-        coalescing.abort()
+        second.abort()
     check: amqp.Connection = await open_connection(broker_url)
     try:
         channel = await check.channel()

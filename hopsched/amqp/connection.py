@@ -54,8 +54,6 @@ _DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671}
 LAZY_SEND_S = 0.005
 #: Bytes one read from the socket takes at most (asyncio's own reads take 256 KiB).
 _READ_BUFFER_BYTES = 256 * 1024
-#: A read below this many bytes is "little": paced traffic, not a burst.
-_SMALL_READ_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +204,6 @@ class Connection(asyncio.BufferedProtocol):
         # new 256 KiB bytes per read, which glibc maps and unmaps each time (three
         # system calls and page faults per read, seen with strace on a paced relay).
         self._read_view = memoryview(bytearray(_READ_BUFFER_BYTES))
-        self._read_every_s = 0.0  # coalesce_reads()
-        self._read_later: asyncio.TimerHandle | None = None  # paused until then
         self._out: list[bytes] = []
         self._flush_scheduled = False  # a flush is due at the end of this loop iteration
         self._lazy_flush: asyncio.TimerHandle | None = None  # only lazy data is waiting
@@ -232,26 +228,6 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.data_received(self._read_view[:nbytes])
-        if self._read_every_s and nbytes < _SMALL_READ_BYTES and self._read_later is None:
-            transport = self._transport
-            if transport is not None and not transport.is_closing():
-                transport.pause_reading()
-                self._read_later = self._loop.call_later(self._read_every_s, self.read_now)
-
-    def coalesce_reads(self, every_s: float) -> None:
-        """While reads bring little (paced traffic), read the socket at most every
-        ``every_s`` s, or at ``read_now()``: one wake-up then handles what several
-        would have. For a consumer whose deliveries are not urgent when they arrive
-        (the relay holds each until due) and whose confirms only lead to acks."""
-        self._read_every_s = every_s
-
-    def read_now(self) -> None:
-        """Read what has come, in the next loop iteration (see ``coalesce_reads``)."""
-        later, self._read_later = self._read_later, None
-        if later is not None:
-            later.cancel()
-            if self._transport is not None and not self._transport.is_closing():
-                self._transport.resume_reading()
 
     def data_received(self, data: bytes | memoryview) -> None:
         self._last_received = time.monotonic()
@@ -285,9 +261,8 @@ class Connection(asyncio.BufferedProtocol):
             self.closed.set_result(error)
         if self._heartbeat_timer is not None:
             self._heartbeat_timer.cancel()
-        for handle in (self._lazy_flush, self._read_later):
-            if handle is not None:
-                handle.cancel()
+        if self._lazy_flush is not None:
+            self._lazy_flush.cancel()
         for waiter in (self._handshake_waiter, self._close_ok):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error)
