@@ -393,10 +393,14 @@ async def test_F26_messages_sharing_one_message_id_are_not_serialized(
     targets: Targets,
 ) -> None:
     """300 healthy and 20 unroutable messages, all with message_id "order-42", due
-    together: as on time as with unique ids (they were serialized: p50 744 vs 178 ms)."""
+    together: as on time as with unique ids (they were serialized: p50 744 vs 178 ms).
+    Each kind runs twice, interleaved, and keeps its better p50: a load spike on this
+    shared machine during one round (seen: 134 vs 64 ms) is not a serialization, which
+    slows every round."""
     parked = await targets.consume(hopsched.Topology.from_settings(settings).parked_queue)
-    p50s = {}
-    for label, message_id in (("unique", None), ("shared", "order-42")):
+    p50s: dict[str, float] = {}
+    rounds = [("unique", None), ("shared", "order-42")] * 2
+    for label, message_id in rounds:
         target = await targets.queue()
         due = datetime.now(UTC) + timedelta(seconds=2)
         calls = [
@@ -411,8 +415,8 @@ async def test_F26_messages_sharing_one_message_id_are_not_serialized(
         await target.wait_for(300, within=60)
         target.assert_never_early()
         assert {s.schedule_id for s in scheduled[:300]} == set(target.counts())
-        p50s[label] = p50_ms(target)
-    await parked.wait_for(40, within=30)
+        p50s[label] = min(p50s.get(label, math.inf), p50_ms(target))
+    await parked.wait_for(20 * len(rounds), within=30)
     print(f"\nF26: p50 {p50s['unique']:.1f} ms unique ids, {p50s['shared']:.1f} ms shared")
     assert within_twice(p50s["shared"], p50s["unique"], floor_ms=100)
 

@@ -9,7 +9,6 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import aio_pika
-import pytest
 from support import broker_version, management_url, rabbitmqctl, require_rabbitmqctl
 
 
@@ -30,10 +29,14 @@ async def test_rabbitmqctl_reaches_the_node_of_the_test_url(
 async def test_the_management_api_found_is_the_test_brokers(
     amqp: aio_pika.abc.AbstractConnection,
 ) -> None:
+    """The management API the tests find is the test broker's; none found means that
+    broker runs no management plugin (the machine's 3.10 runs none; CI's 4.0 node does)."""
     require_rabbitmqctl()
     url = await management_url()
+    running = "lists:keymember(rabbitmq_management, 1, application:which_applications())."
     if url is None:
-        pytest.skip("the test broker has no management plugin")
+        assert (await rabbitmqctl("eval", running)).strip() == "false"
+        return
     parts = urlsplit(url)
     request = urllib.request.Request(f"http://{parts.hostname}:{parts.port}/api/overview")
     manager = urllib.request.HTTPPasswordMgrWithDefaultRealm()
