@@ -6,8 +6,11 @@ prefix down (with ``--keep``: leaves it, to time ``hopsched pending --prefix P``
 process of its own and ``du`` the journal's stream files; ``hopsched teardown --force``
 removes it).
 
-    python -P benchmarks/journal_pending.py --count 1000000 [--random-bodies] [--keep]
-        [--url URL]
+    python -P benchmarks/journal_pending.py --count 1000000 [--random-bodies] [--one-by-one]
+        [--keep] [--url URL]
+
+``--one-by-one`` schedules each message with a ``schedule()`` call of its own (awaited
+before the next: a journal record per stream message, the costliest storage case).
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ async def main() -> None:
         help="bodies of random bytes (nothing to compress), not one byte repeated",
     )
     parser.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="a schedule() call per message, one after another (not schedule_many)",
+    )
+    parser.add_argument(
         "--keep", action="store_true", help="leave the prefix on the broker (printed)"
     )
     args = parser.parse_args()
@@ -47,7 +55,9 @@ async def main() -> None:
     try:
         async with hopsched.Scheduler(settings, declare=True) as scheduler:
             started = time.monotonic()
-            for start in range(0, args.count, 10_000):
+            for i in range(args.count if args.one_by_one else 0):
+                await scheduler.schedule(body(), routing_key="orders.timeout", delay=3600 + i)
+            for start in range(0, 0 if args.one_by_one else args.count, 10_000):
                 await scheduler.schedule_many(
                     ScheduleRequest(body(), "orders.timeout", delay=3600 + i)
                     for i in range(start, min(args.count, start + 10_000))

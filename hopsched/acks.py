@@ -4,9 +4,11 @@ Deliveries on a channel carry increasing tags, but the relay finishes them out o
 order (a held message waits up to the hold window; a hop is done at its confirm). Once
 per event-loop iteration, the finished run at the front of the outstanding tags is
 acked with one ``multiple=true`` ack, and any finished tag behind an unfinished one is
-acked alone, so no finished delivery keeps its prefetch slot. The acks go lazily: with
-the connection's next write, 5 ms later at the latest (``hopsched.amqp.connection.LAZY_SEND_S``), so
-that a paced relay's ack rides with its next publish instead of costing a write.
+acked alone, so no finished delivery keeps its prefetch slot. A relay's acks go
+lazily: with the connection's next write, 5 ms later at the latest
+(``hopsched.amqp.connection.LAZY_SEND_S``), so that a paced relay's ack rides with its
+next publish instead of costing a write. A consumer with a small prefetch that publishes
+nothing (the journal's reader) acks at once: its window would wait for each lazy ack.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ class Acker:
 
     Call ``received(tag)`` for every delivery in order, then ``done(tag)`` or
     ``rejected(tag)`` once each.
+
+    Args:
+        channel: the consumer's channel.
+        lazy: send the acks with the connection's next write (see above); False: at once.
     """
 
-    def __init__(self, channel: amqp.Channel) -> None:
+    def __init__(self, channel: amqp.Channel, *, lazy: bool = True) -> None:
         self._channel = channel
+        self._lazy = lazy
         self._loop = asyncio.get_running_loop()
         self._outstanding: deque[int] = deque()
         self._finished: set[int] = set()
@@ -76,9 +83,9 @@ class Acker:
                 break
             outstanding.popleft()
         if last is not None:
-            self._channel.ack(last, multiple=True, lazy=True)
+            self._channel.ack(last, multiple=True, lazy=self._lazy)
         for tag in finished:
-            self._channel.ack(tag, lazy=True)
+            self._channel.ack(tag, lazy=self._lazy)
         sent.update(finished)
         finished.clear()
         if not len(self):

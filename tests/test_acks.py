@@ -16,11 +16,12 @@ from hopsched.acks import Acker
 
 
 class RecordingChannel:
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = True) -> None:
         self.sent: list[tuple[str, int, bool]] = []
+        self.lazy = lazy  # what every ack must ask for
 
     def ack(self, tag: int, *, multiple: bool = False, lazy: bool = False) -> None:
-        assert lazy  # the Acker's acks ride with the connection's next write
+        assert lazy is self.lazy  # by default, acks ride with the connection's next write
         self.sent.append(("ack", tag, multiple))
 
     def nack(self, tag: int, *, requeue: bool) -> None:
@@ -97,3 +98,16 @@ async def test_a_tag_behind_a_held_one_is_acked_alone_at_once() -> None:
     acker.flush()
 
     assert channel.sent == [("ack", 2, False), ("ack", 3, False), ("ack", 1, True)]
+
+
+async def test_an_acker_made_not_lazy_sends_every_ack_at_once() -> None:
+    """The journal's reader (prefetch 64, publishing nothing) would wait for lazy acks."""
+    channel = RecordingChannel(lazy=False)
+    acker = Acker(channel, lazy=False)  # type: ignore[arg-type]
+    for tag in (1, 2, 3):
+        acker.received(tag)
+    acker.done(1)
+    acker.done(3)
+    acker.flush()
+
+    assert channel.sent == [("ack", 1, True), ("ack", 3, False)]
