@@ -18,7 +18,7 @@ import click
 from hopsched.arguments import parse_header
 from hopsched.cancel import RecordTally
 from hopsched.cancel_reader import tally_records
-from hopsched.clock import now_us, us_to_datetime
+from hopsched.clock import datetime_to_us, now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
 from hopsched.durations import parse_duration
@@ -37,7 +37,7 @@ from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.policies import PROTECT_PRIORITY
 from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
 from hopsched.prepare import due_time_us
-from hopsched.recurring import Rule
+from hopsched.recurring import CatchUp, Rule, plan_link
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings
@@ -158,6 +158,28 @@ def _run(coroutine: Coroutine[Any, Any, Any], settings: Settings | None = None) 
         raise _NoPrefix(f"{where}{error}") from None
     except HopschedError as error:
         raise _Failure(str(error)) from None
+
+
+async def _cancelled_by_sigterm(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Await ``coroutine``; SIGTERM cancels it as Ctrl-C does, so that its clean-up runs
+    (a demo's throwaway node outlived a ``kill`` or ``timeout``). None if it did."""
+    task = asyncio.ensure_future(coroutine)
+    loop = asyncio.get_running_loop()
+    terminated = asyncio.Event()
+
+    def on_sigterm() -> None:
+        terminated.set()
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if terminated.is_set():
+            return None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _parse_at(_: click.Context, __: click.Parameter, value: str | None) -> datetime | None:
@@ -451,19 +473,16 @@ def schedule(
                     "--tz, --start, --until, --count and --catch-up are for a recurring "
                     "schedule: give --every or --cron"
                 )
-            due = due_time_us(at, delay, now)
+            due, rule = due_time_us(at, delay, now), None
         else:
             rule = Rule.make(now_us=now, **{**recurring, "catch_up": catch_up or "latest"})
             due = rule.first_us() or now
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
-    if at is not None and now - due > _PAST_WARNING_US:
-        late = timedelta(microseconds=now - due)
-        logging.getLogger("hopsched.cli").warning(
-            "--at %s is %s in the past: it is due now and will be delivered at once",
-            at.isoformat(),
-            late - timedelta(microseconds=late.microseconds),
-        )
+    if at is not None:
+        _warn_if_past(at, now)
+    elif rule is not None and now - due > _PAST_WARNING_US:
+        _warn_of_a_past_start(rule, due, now)
     if refusal := settings.target_policy.refusal(exchange, routing_key):
         raise click.UsageError(refusal)
 
@@ -481,7 +500,13 @@ def schedule(
                 **recurring,
             )
         done = "scheduled (replacing any before)" if replace else "scheduled"
-        what = "" if every is None and cron is None else " (first occurrence; recurring)"
+        what = (
+            ""
+            if rule is None
+            else " (first occurrence, in the past: see the warning; recurring)"
+            if now - due > _PAST_WARNING_US
+            else " (first occurrence; recurring)"
+        )
         click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}{what}")
 
     _run(go())
@@ -561,6 +586,8 @@ def reschedule(
     if (at is None) == (delay is None):
         raise click.UsageError("give exactly one of --at and --in")
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    if at is not None:
+        _warn_if_past(at, now_us())
 
     async def go() -> tuple[Scheduled | None, ScheduleInfo | None]:
         async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
@@ -571,6 +598,51 @@ def reschedule(
     if result is None:
         raise _Unknown(f"nothing rescheduled: {_not_pending(schedule_id, info)}")
     click.echo(f"rescheduled {result.schedule_id} due {result.due.isoformat()}")
+
+
+def _warn_if_past(at: datetime, now: int) -> None:
+    """A due time (``--at``) further in the past than a minute: said, as it is delivered
+    at once (a typo'd year, say)."""
+    ago = now - datetime_to_us(at)
+    if ago > _PAST_WARNING_US:
+        logging.getLogger("hopsched.cli").warning(
+            "--at %s is %s in the past: it is due now and will be delivered at once",
+            at.isoformat(),
+            timedelta(seconds=ago // 1_000_000),
+        )
+
+
+def _warn_of_a_past_start(rule: Rule, first_us: int, now: int) -> None:
+    """A recurring schedule whose first occurrence is past: what the relay will do with
+    the occurrences due by now (``plan_link``, as the relay does on reaching the first)."""
+    link = plan_link(rule, first_us, 0, now)
+    if rule.catch_up is CatchUp.ALL:
+        when = (
+            f"each of the {rule.count_between_us(first_us, now + 1)} occurrence(s) due by "
+            "now (1,000 counted at most) is delivered at once, one after another"
+        )
+    elif link.deliver_us is not None:
+        when = (
+            f"the latest occurrence due by now ({us_to_datetime(link.deliver_us).isoformat()})"
+            " is delivered at once, the others not"
+        )
+    else:
+        when = "the occurrences due by now are missed (over 10 s late): none is delivered"
+    if link.next_us is None:
+        then = "and the schedule ends there"
+    elif rule.catch_up is CatchUp.ALL:
+        then = "then the rule goes on"
+    else:
+        then = f"then the next is due {us_to_datetime(link.next_us).isoformat()}"
+    ago = timedelta(seconds=(now - first_us) // 1_000_000)
+    logging.getLogger("hopsched.cli").warning(
+        "the first occurrence (%s) is %s in the past: with --catch-up %s, %s; %s",
+        us_to_datetime(first_us).isoformat(),
+        ago,
+        rule.catch_up.value,
+        when,
+        then,
+    )
 
 
 def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
@@ -1340,8 +1412,13 @@ def demo(
     if max_delay_s <= 0.01:
         raise click.BadParameter("must be more than 10ms", param_hint="--max-delay")
     report = _run(
-        run_demo_or_local(settings, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed)
+        _cancelled_by_sigterm(
+            run_demo_or_local(settings, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed)
+        )
     )
+    if report is None:
+        click.echo("demo stopped by SIGTERM: nothing to report", err=True)
+        sys.exit(128 + signal.SIGTERM)
     click.echo(report.table())
     if not report.ok:
         click.echo(f"FAILED: {report.early} early, {report.lost} lost", err=True)

@@ -185,6 +185,7 @@ async def run_demo(
     rate: float = 200.0,
     seed: int | None = None,
     out: TextIO = sys.stderr,
+    throwaway: bool = False,
 ) -> DemoReport:
     """Run a relay, schedule ``count`` messages to a demo queue, wait for them, measure.
 
@@ -194,7 +195,8 @@ async def run_demo(
 
     Progress goes to ``out``. A ladder the demo declared (``settings.prefix`` had no
     relay queue before) is torn down at the end, also on an error or a cancellation,
-    unless messages are still on it (said on ``out``); the demo's target queue is
+    unless messages are still on it (said on ``out``, with the command that removes it);
+    on a ``throwaway`` node it is left to go with the node. The demo's target queue is
     exclusive and goes with the connection.
 
     Raises:
@@ -268,8 +270,8 @@ async def run_demo(
             await relay_task  # its error, if any, was raised above
         report.relay_lateness = relay.stats.lateness
         try:
-            if ours:  # leave nothing behind: 31 quorum queues hold broker resources
-                await _remove_ladder(connection, topology, out)
+            if ours and not throwaway:  # leave nothing: 31 quorum queues hold broker resources
+                await _remove_ladder(connection, settings, topology, out)
         finally:
             await connection.close()
     return report
@@ -287,12 +289,19 @@ async def _queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) 
 
 
 async def _remove_ladder(
-    connection: aio_pika.abc.AbstractConnection, topology: Topology, out: TextIO
+    connection: aio_pika.abc.AbstractConnection,
+    settings: Settings,
+    topology: Topology,
+    out: TextIO,
 ) -> None:
     try:
         done = await topology.teardown(connection)
-    except HopschedError as refused:  # messages still on it: never delete those
-        out.write(f"the demo's ladder {topology.prefix} stays declared: {refused}\n")
+    except HopschedError as refused:  # messages still on it (interrupted): never delete those
+        out.write(
+            f"the demo's ladder {topology.prefix} stays declared, its messages still on it "
+            f"({refused}); to remove it and them: hopsched teardown --url "
+            f"{settings.masked_url} --prefix {topology.prefix} --force\n"
+        )
     else:
         out.write(f"removed the demo's ladder {topology.prefix} ({len(done.removed)} objects)\n")
     out.flush()
@@ -362,9 +371,15 @@ async def run_demo_or_local(
         LocalBrokerError: the private node did not start.
     """
 
-    async def demo_on(broker: Settings) -> DemoReport:
+    async def demo_on(broker: Settings, throwaway: bool = False) -> DemoReport:
         return await run_demo(
-            broker, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed, out=out
+            broker,
+            count=count,
+            max_delay_s=max_delay_s,
+            rate=rate,
+            seed=seed,
+            out=out,
+            throwaway=throwaway,
         )
 
     if not all([await nothing_answers(url) for url in settings.urls]):
@@ -389,7 +404,8 @@ async def run_demo_or_local(
             return await demo_on(
                 dataclasses.replace(
                     settings, url=node.url, management_url=node.management_url or ""
-                )
+                ),
+                throwaway=True,
             )
     finally:
         out.write("throwaway node stopped and removed\n")

@@ -225,7 +225,8 @@ def check_request(
         raise InvalidScheduleError(
             f"the body is {len(body)} bytes, over max_message_size ({max_body_bytes} bytes; "
             "RabbitMQ refuses a larger one by closing the channel): schedule a reference to "
-            "the data instead, or raise Settings.max_message_size to the broker's own limit"
+            "the data instead, or raise Settings.max_message_size (HOPSCHED_MAX_MESSAGE_SIZE) "
+            "to the broker's own limit"
         )
     check_properties(callers)
     if callers.user_id is not None and callers.user_id != login:
@@ -548,7 +549,9 @@ def check_schedule_id(schedule_id: str | None) -> str:
     if schedule_id is None:
         return os.urandom(16).hex()  # as unique as a uuid4's hex, a fifth of the cost
     if not isinstance(schedule_id, str) or not schedule_id:
-        raise InvalidScheduleError(f"schedule_id={shorten(schedule_id)}: must be a non-empty str")
+        raise InvalidScheduleError(
+            f"schedule_id={shorten(schedule_id)} (CLI: --schedule-id): must be a non-empty str"
+        )
     # (printable first: a lone surrogate is not, and cannot be encoded)
     if not schedule_id.isprintable() or len(schedule_id.encode()) > MAX_SCHEDULE_ID_BYTES:
         raise InvalidScheduleError(

@@ -739,14 +739,14 @@ class Scheduler:
             raise InvalidScheduleError(
                 f"{schedule_id!r} is a recurring schedule: its occurrences follow its rule, "
                 "and reschedule() would move one of them only. Cancel it and schedule it "
-                "anew, or schedule it anew with replace=True"
+                "anew, or schedule it anew with replace=True (CLI: hopsched schedule --replace)"
             )
         if info.pending_copies and info.pending_copies > 1:
             raise InvalidScheduleError(
                 f"{schedule_id!r} has {info.pending_copies} messages pending (it was "
                 "scheduled more than once without replace=True): reschedule() moves one "
                 "message and would cancel the others. Cancel it and schedule anew, or "
-                "schedule the one to keep with replace=True"
+                "schedule the one to keep with replace=True (CLI: --replace)"
             )
         if info.copy is None:  # only a relay's record of it (a hopsched before the journal)
             await self._write_records([Record(RESCHEDULE, schedule_id, now, due_us)])

@@ -684,8 +684,15 @@ class Topology:
                     raise await self._explain(connection, name, error) from None
                 depths[name] = QueueDepth(ok.message_count or 0, ok.consumer_count or 0)
             except aiormq.exceptions.ChannelAccessRefused as error:
+                why = (
+                    ": checking its arguments declares it (creating nothing), which needs "
+                    "configure permission on it: the relay's or the operator's grant "
+                    "(`hopsched permissions --role operator`)"
+                    if check_arguments
+                    else ""
+                )
                 raise AccessRefusedError(
-                    f"reading {name!r}: {error.args[0] if error.args else error}"
+                    f"reading {name!r}: {error.args[0] if error.args else error}{why}"
                 ) from None
             finally:
                 if not channel.is_closed:

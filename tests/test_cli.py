@@ -494,11 +494,14 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-async def test_demo_interrupted_removes_its_throwaway_node() -> None:
-    require_rabbitmq()
+async def demo_scheduling(
+    *args: str, within: float = 60
+) -> tuple[asyncio.subprocess.Process, bytes]:
+    """``hopsched demo --count 100 --max-delay 60s ARGS`` started, once it says it is
+    scheduling; and what it said so far."""
     process = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "hopsched", "demo", "--count", "100", "--max-delay", "60s"),
-        *("--url", f"amqp://guest:guest@127.0.0.1:{free_port()}/"),
+        *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         # As a terminal's Ctrl-C finds it: SIGINT not ignored. A run started in the
@@ -509,20 +512,62 @@ async def test_demo_interrupted_removes_its_throwaway_node() -> None:
     assert process.stderr is not None
     said = b""
     while b"scheduling 100 messages" not in said:
-        line = await asyncio.wait_for(process.stderr.readline(), 120)
+        line = await asyncio.wait_for(process.stderr.readline(), within)
         assert line, said.decode()
         said += line
+    return process, said
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_demo_interrupted_removes_its_throwaway_node(stop: signal.Signals) -> None:
+    """Ctrl-C, or SIGTERM (``kill``, ``timeout``, a cancelled CI job: a new-user trial
+    found the node left running after it), removes the node; nothing is said of its
+    ladder, which goes with the node."""
+    require_rabbitmq()
+    process, said = await demo_scheduling(
+        "--url", f"amqp://guest:guest@127.0.0.1:{free_port()}/", within=120
+    )
     found = re.search(rb"throwaway node \S+ on \S+, in (\S+)\n", said)
     assert found, said.decode()
     root = found[1].decode()
     assert not node_is_gone(root)
 
-    process.send_signal(signal.SIGINT)  # Ctrl-C
+    process.send_signal(stop)
     _, rest = await asyncio.wait_for(process.communicate(), 60)
 
     assert process.returncode != 0
+    if stop == signal.SIGTERM:
+        assert process.returncode == 128 + signal.SIGTERM
+        assert b"demo stopped by SIGTERM" in rest
     assert b"throwaway node stopped and removed" in rest
+    assert b"stays declared" not in rest, rest.decode()
+    assert b"Traceback" not in rest, rest.decode()
     assert node_is_gone(root)
+
+
+async def test_demo_interrupted_on_a_broker_names_the_command_that_removes_its_ladder(
+    settings: hopsched.Settings,
+) -> None:
+    """Its messages still on the ladder, the demo does not delete them; it says the
+    command that does, and that command works as said."""
+    process, _ = await demo_scheduling("--url", settings.url, "--prefix", settings.prefix)
+    await asyncio.sleep(1.0)  # some are scheduled
+    process.send_signal(signal.SIGTERM)
+    _, rest = await asyncio.wait_for(process.communicate(), 60)
+
+    assert process.returncode == 128 + signal.SIGTERM, rest.decode()
+    found = re.search(rb"; to remove it and them: (hopsched teardown .*)\n", rest)
+    assert found, rest.decode()
+    command = found[1].decode().split()
+    masked = hopsched.Settings(url=settings.url).masked_url
+    assert command == [
+        *("hopsched", "teardown", "--url", masked, "--prefix", settings.prefix, "--force")
+    ]
+    assert "guest:guest" not in rest.decode()
+    # As the user would, with the password the masked URL leaves out (HOPSCHED_URL).
+    status, out, err = await hopsched_cli("teardown", "--prefix", settings.prefix, "--force")
+    assert status == 0, err
+    assert "removed" in out + err
 
 
 async def test_demo_with_nothing_at_its_url_and_no_rabbitmq_says_how_to_get_one(

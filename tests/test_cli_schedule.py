@@ -15,7 +15,7 @@ from broker import PrivateBroker
 from support import Relays, Targets, hopsched_cli
 
 import hopsched
-from hopsched.clock import now_us
+from hopsched.clock import datetime_to_us, now_us
 from hopsched.topology import declare_topology
 
 
@@ -174,3 +174,45 @@ async def test_a_body_over_the_brokers_max_message_size_is_bad_input(
     assert status == 2, (out, err)
     assert "message size 10000 is larger than configured max size 4096" in err
     assert len(err.strip().splitlines()) == 1
+
+
+async def test_a_recurring_start_in_the_past_says_which_occurrence_the_relay_delivers(
+    settings: hopsched.Settings, relays: Relays, targets: Targets
+) -> None:
+    """Found by a trial: ``--every 1h --start`` two days ago printed the start as the
+    due time, and the relay delivered today's latest occurrence instead (catch_up
+    latest). The warning names the one delivered; the relay delivers exactly that one."""
+    await relays.start(settings)
+    target = await targets.queue()
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=3)
+
+    status, out, err = await hopsched_cli(
+        *("schedule", "--every", "20s", "--start", start.isoformat(), "--count", "1"),
+        *("--routing-key", target.name),
+        settings=settings,
+    )
+
+    assert status == 0, err
+    found = re.search(
+        r"with --catch-up latest, the latest occurrence due by now \((\S+)\) is delivered "
+        r"at once, the others not; and the schedule ends there",
+        err,
+    )
+    assert found, err
+    assert "first occurrence, in the past: see the warning" in out
+    [received] = await target.wait_for(1, within=30)
+    assert received.due_us == datetime_to_us(datetime.fromisoformat(found[1]))
+    assert received.due_us > datetime_to_us(start)
+    await target.settle(2.0)
+    assert len(target.received) == 1
+
+
+async def test_a_reschedule_more_than_a_minute_past_is_said(settings: hopsched.Settings) -> None:
+    long_ago = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
+
+    status, _, err = await hopsched_cli(
+        "reschedule", "nobody-knows", "--at", long_ago, settings=settings
+    )
+
+    assert status == 4, err  # the prefix was never declared: nothing changed, but said first
+    assert re.search(r"--at \S+ is 0:05:0\d in the past: it is due now", err), err

@@ -164,6 +164,13 @@ async def test_each_role_holding_only_its_printed_grant_does_its_work(
             assert status == 0, err
             assert SECRET not in out + err
             assert quote(SECRET, safe="") not in out + err
+        # A producer's grant does not reach status (it checks arguments by declaring):
+        # refused, naming the grant that does (a trial found it named none).
+        status, out, err = await hopsched_cli("status", settings=app)
+        assert status == 1, (out, err)
+        assert "ACCESS_REFUSED" in err
+        assert "the relay's or the operator's grant" in err
+        assert SECRET not in out + err
 
         # ... and each grant is really the least: nothing outside the prefix, and the
         # relay may not read the parking queue.
