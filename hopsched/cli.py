@@ -479,9 +479,10 @@ def schedule(
             due = rule.first_us() or now
     except InvalidScheduleError as error:
         raise click.UsageError(str(error)) from None
+    past_start = rule is not None and now - due > _PAST_WARNING_US
     if at is not None:
         _warn_if_past(at, now)
-    elif rule is not None and now - due > _PAST_WARNING_US:
+    elif rule is not None and past_start:
         _warn_of_a_past_start(rule, due, now)
     if refusal := settings.target_policy.refusal(exchange, routing_key):
         raise click.UsageError(refusal)
@@ -500,13 +501,9 @@ def schedule(
                 **recurring,
             )
         done = "scheduled (replacing any before)" if replace else "scheduled"
-        what = (
-            ""
-            if rule is None
-            else " (first occurrence, in the past: see the warning; recurring)"
-            if now - due > _PAST_WARNING_US
-            else " (first occurrence; recurring)"
-        )
+        what = "" if rule is None else " (first occurrence; recurring)"
+        if past_start:
+            what = " (first occurrence, in the past: see the warning; recurring)"
         click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}{what}")
 
     _run(go())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import math
 import random
@@ -371,16 +372,9 @@ async def run_demo_or_local(
         LocalBrokerError: the private node did not start.
     """
 
-    async def demo_on(broker: Settings, throwaway: bool = False) -> DemoReport:
-        return await run_demo(
-            broker,
-            count=count,
-            max_delay_s=max_delay_s,
-            rate=rate,
-            seed=seed,
-            out=out,
-            throwaway=throwaway,
-        )
+    demo_on = functools.partial(
+        run_demo, count=count, max_delay_s=max_delay_s, rate=rate, seed=seed, out=out
+    )
 
     if not all([await nothing_answers(url) for url in settings.urls]):
         return await demo_on(settings)
