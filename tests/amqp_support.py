@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 from pamqp import commands
 from support import Cleanup
+from support import unique as marked
 
 from hopsched import amqp
 from hopsched.amqp import Delivery, Outcome, Properties
 
 
 def unique(what: str = "q") -> str:
-    return f"t{uuid.uuid4().hex[:10]}.amqp.{what}"
+    return marked(f"amqp.{what}")
 
 
 async def open_connection(url: str, *, name: str | None = None, timeout_s: float = 10.0) -> Any:

@@ -4,8 +4,11 @@ The broker is ``HOPSCHED_TEST_URL`` (default ``amqp://guest:guest@127.0.0.1:5672
 whatever the tests do to it besides AMQP goes through ``HOPSCHED_TEST_RABBITMQCTL``
 (``support.rabbitmqctl``). If it cannot be reached, every test that needs it fails with
 a clear message; none is skipped. Each test gets its own prefix and deletes every queue
-and exchange it made; at the end of the run, anything a test left on the broker (a
-queue, exchange, user, vhost or policy) fails the run (``leftovers.py``). A test during
+and exchange it made. Every name a test gives a broker object carries the run's marker
+(``support.RUN_MARKER``): at the end of the run, anything carrying it that a test left on
+the broker (a queue, exchange, user, vhost or policy) fails the run and is removed, and
+what others made or removed meanwhile is reported, never touched (``leftovers.py``). The
+run refuses to start when ``rabbitmqctl`` reaches another broker than the test URL. A test during
 which asyncio logs "Task exception was never retrieved" (a task that failed with nobody
 awaiting it: its work silently stopped) fails at its teardown.
 """
@@ -18,23 +21,30 @@ import gc
 import logging
 import os
 import signal
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
 from broker import node_tmp_path as node_tmp_path
 from broker import private_broker as private_broker
 from broker import start_private_broker as start_private_broker
-from leftovers import LeftoverCheck
-from support import BROKER_URL, Cleanup, Relays, Targets, rabbitmqctl_command
+from leftovers import LeftoverCheck, NotTheTestBroker, Thing
+from support import (
+    BROKER_URL,
+    RUN_MARKER,
+    Cleanup,
+    Relays,
+    Targets,
+    rabbitmqctl_command,
+    unique,
+)
 
 import hopsched
 
 #: What this run leaves on the test broker, checked once the run ends.
-LEFTOVERS = LeftoverCheck(rabbitmqctl_command())
+LEFTOVERS = LeftoverCheck(rabbitmqctl_command(), RUN_MARKER)
 _LEFTOVER_REPORT: list[str] = []
 
 
@@ -87,7 +97,38 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     snapshot before any worker starts, and its last after all have ended: a worker's own
     check would count (and remove) what the others are still using."""
     if _is_xdist_controller(session.config) and _probe(BROKER_URL) is None:
-        LEFTOVERS.start()
+        _start_leftover_check()
+
+
+def _vhost(url: str) -> str:
+    path = urlsplit(url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+def _start_leftover_check() -> None:
+    """The leftover check's first snapshot, once ``rabbitmqctl`` is shown to reach the
+    test URL's broker (it lists a queue just declared there); else the run stops (F40:
+    with the URL on a private node and no ``HOPSCHED_TEST_RABBITMQCTL``, the check had
+    listed, and cleaned, the machine's own broker)."""
+
+    def probe(take: Callable[[], frozenset[Thing]]) -> Thing:
+        name = unique("probe")
+
+        async def declared_while_taking() -> None:
+            connection = await asyncio.wait_for(aio_pika.connect(BROKER_URL), 10)
+            async with connection:
+                channel = await connection.channel()
+                await channel.declare_queue(name, exclusive=True)
+                await asyncio.to_thread(take)
+
+        asyncio.run(declared_while_taking())
+        return Thing("queue", name, _vhost(BROKER_URL))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # no event loop is touched
+        try:
+            pool.submit(LEFTOVERS.start, probe).result()
+        except NotTheTestBroker as error:
+            pytest.exit(f"refusing to run the tests: {error}", pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -146,7 +187,7 @@ def broker_url(pytestconfig: pytest.Config) -> str:
             pytrace=False,
         )
     if not hasattr(pytestconfig, "workerinput"):  # under xdist, the controller's check
-        LEFTOVERS.start()
+        _start_leftover_check()
     return BROKER_URL
 
 
@@ -198,7 +239,8 @@ def queue_type() -> str:
 
 @pytest.fixture
 def prefix() -> str:
-    return f"t{uuid.uuid4().hex[:10]}"
+    """A fresh prefix carrying the run's marker."""
+    return unique()
 
 
 @pytest.fixture

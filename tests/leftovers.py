@@ -1,12 +1,21 @@
-"""Nothing left behind (F38): what a test run made on the test broker and did not remove.
+"""Nothing left behind (F38), and nothing of anyone else's touched (F40).
 
 A hopsched prefix left declared costs the broker 31 quorum queues (about 90 file handles
 on RabbitMQ 3.10); a few such leftovers wedge a broker started with 1,024 descriptors for
 everyone. ``snapshot()`` lists, through ``HOPSCHED_TEST_RABBITMQCTL``, the broker's
 vhosts and users and, in each vhost, its queues, exchanges, policies and operator
 policies. ``conftest.py`` takes one before the first test that uses the broker and one at
-the end of the run: anything made in between and still there fails the run, is named
-with how to remove it, and is removed (so the next run starts clean).
+the end of the run.
+
+The test broker is often shared (a development broker, CI's, other people's work on it
+at the same time), so the check tells the run's objects from everyone else's by name:
+every name a test gives a broker object carries the run's marker (``support.RUN_MARKER``).
+What carries it and is still there at the end fails the run, is named with how to remove
+it, and is removed; anything else that appeared or went meanwhile is only reported, never
+removed (F40: a check that removed every new object deleted another user's prefix in the
+middle of its ``hopsched upgrade``). Before the first snapshot, ``start()`` proves that
+``rabbitmqctl`` reaches the broker of the test URL: it looks for a queue it has just
+declared there over AMQP, and refuses the run if it is not listed.
 """
 
 from __future__ import annotations
@@ -14,10 +23,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LeftoverCheck", "Thing", "advice", "remove", "snapshot"]
+__all__ = ["LeftoverCheck", "NotTheTestBroker", "Thing", "advice", "remove", "snapshot"]
 
 #: rabbitmqctl's list command for each kind of object in a vhost, and its name field.
 _IN_VHOST = {
@@ -33,6 +42,12 @@ _REMOVE = {
     "operator policy": ("clear_operator_policy",),
 }
 _TIMEOUT_S = 60
+#: Names listed per kind in a report of other people's changes, before "and N more".
+_REPORTED_NAMES = 10
+
+
+class NotTheTestBroker(Exception):
+    """``rabbitmqctl`` does not reach the broker of the test URL (or does not work)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -133,30 +148,89 @@ def advice(things: Iterable[Thing]) -> list[str]:
     return lines
 
 
-class LeftoverCheck:
-    """The run's check: ``start()`` before the first test that uses the broker,
-    ``finish()`` at the end. Without a rabbitmqctl (``command`` None) nothing is checked,
-    and ``finish()`` says so."""
+def _changes(things: Iterable[Thing], verb: str) -> list[str]:
+    """Report lines for other people's objects: up to ``_REPORTED_NAMES`` per kind."""
+    by_kind: dict[str, list[Thing]] = {}
+    for thing in sorted(things):
+        by_kind.setdefault(thing.kind, []).append(thing)
+    lines = []
+    for kind, listed in by_kind.items():
+        shown = ", ".join(repr(thing.name) for thing in listed[:_REPORTED_NAMES])
+        more = f" and {len(listed) - _REPORTED_NAMES} more" if len(listed) > _REPORTED_NAMES else ""
+        lines.append(f"  {len(listed)} {kind}(s) {verb}: {shown}{more}")
+    return lines
 
-    def __init__(self, command: Sequence[str] | None) -> None:
+
+class LeftoverCheck:
+    """The run's check: ``start(probe)`` before the first test that uses the broker,
+    ``finish()`` at the end. Only objects whose names contain ``marker`` are the run's.
+    Without a rabbitmqctl (``command`` None) nothing is checked, and ``finish()`` says so."""
+
+    def __init__(self, command: Sequence[str] | None, marker: str) -> None:
         self.command = command
+        self.marker = marker
         self.before: frozenset[Thing] | None = None
 
-    def start(self) -> None:
-        if self.command is not None and self.before is None:
-            self.before = snapshot(self.command)
+    def start(self, probe: Callable[[Callable[[], frozenset[Thing]]], Thing]) -> None:
+        """Take the first snapshot. ``probe(take)`` declares a queue carrying the marker
+        on the broker of the test URL, calls ``take()`` (the snapshot) while the queue
+        exists, and returns that queue as a ``Thing``.
+
+        Raises:
+            NotTheTestBroker: the snapshot does not list the probe's queue (``rabbitmqctl``
+                reaches another node), or a rabbitmqctl call failed.
+        """
+        if self.command is None or self.before is not None:
+            return
+        command = self.command
+        taken: list[frozenset[Thing]] = []
+
+        def take() -> frozenset[Thing]:
+            taken.append(snapshot(command))
+            return taken[-1]
+
+        try:
+            queue = probe(take)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            raise NotTheTestBroker(
+                f"rabbitmqctl ({' '.join(command)}) failed: {error}. Set "
+                "HOPSCHED_TEST_RABBITMQCTL to a command that runs rabbitmqctl against the "
+                "broker of HOPSCHED_TEST_URL."
+            ) from error
+        if queue not in taken[-1]:
+            raise NotTheTestBroker(
+                f"rabbitmqctl ({' '.join(command)}) reaches another broker than the test "
+                f"URL: the {queue} just declared there is not in its listing. The tests "
+                "would list, and report on, the wrong broker. Set HOPSCHED_TEST_RABBITMQCTL "
+                "to a command that reaches the broker of HOPSCHED_TEST_URL (e.g. "
+                "'rabbitmqctl -n NODE@HOST' of that node)."
+            )
+        self.before = taken[-1] - {queue}
 
     def finish(self) -> tuple[bool, list[str]]:
-        """(passed, report lines): what this run left on the broker, now removed."""
+        """(passed, report lines): what this run left on the broker (now removed), and
+        what others changed meanwhile (reported, never removed)."""
         if self.command is None:  # conftest.py fails the run under CI=true
             return True, ["not checked: no rabbitmqctl (set HOPSCHED_TEST_RABBITMQCTL)"]
         if self.before is None:
             return True, []  # no test used the broker
-        left = snapshot(self.command) - self.before
-        if not left:
-            return True, [f"nothing left on the broker ({len(self.before)} objects as before)"]
-        problems = remove(self.command, left)
-        lines = ["FAILED: this run left these on the broker:", *advice(left)]
+        after = snapshot(self.command)
+        new = after - self.before
+        mine = {thing for thing in new if self.marker in f"{thing.name} {thing.vhost or ''}"}
+        lines = []
+        theirs_new = new - mine
+        theirs_gone = self.before - after
+        if theirs_new or theirs_gone:
+            lines.append(
+                f"others changed the broker during the run (not this run's marker "
+                f"{self.marker!r}; reported only, never removed):"
+            )
+            lines += _changes(theirs_new, "appeared") + _changes(theirs_gone, "went")
+        if not mine:
+            lines.append(f"nothing of this run ({self.marker}) left on the broker")
+            return True, lines
+        problems = remove(self.command, mine)
+        lines += [f"FAILED: this run ({self.marker}) left these on the broker:", *advice(mine)]
         if problems:
             lines += ["and could not remove:", *(f"  {problem}" for problem in problems)]
         else:

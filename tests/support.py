@@ -35,12 +35,24 @@ HEADER_HOPS = "x-hopsched-hops"
 HEADER_EXCHANGE = "x-hopsched-exchange"
 HEADER_ROUTING_KEY = "x-hopsched-routing-key"
 HEADER_PARKED_REASON = "x-hopsched-parked-reason"
+#: This run's marker. Every name a test gives a broker object carries it (``unique()``,
+#: the ``prefix`` fixture): the end-of-run check removes only what carries it, on a broker
+#: others may be using at the same time (``leftovers.py``). Made once by the first process
+#: of a run; its xdist workers and the processes its tests start inherit it.
+RUN_MARKER = os.environ.setdefault("HOPSCHED_TEST_RUN", f"ht{uuid.uuid4().hex[:8]}")
 #: The broker the integration tests run against (``HOPSCHED_TEST_URL``).
 BROKER_URL = os.environ.get("HOPSCHED_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 RELAY_START_TIMEOUT_S = 30.0
 RELAY_STOP_TIMEOUT_S = 30.0
 #: What a target consumer may see added to the caller's headers.
 ADDED_ON_DELIVERY = frozenset({HEADER_ID, HEADER_DUE, HEADER_HOPS})
+
+
+def unique(what: str = "") -> str:
+    """A fresh name carrying the run's marker: ``RUN_MARKER``, 8 hex digits, then
+    ``.what`` when given (``ht1a2b3c4d5e6f7a8b.target``). Valid as a hopsched prefix."""
+    name = f"{RUN_MARKER}{uuid.uuid4().hex[:8]}"
+    return f"{name}.{what}" if what else name
 
 
 def broker_death_headers(headers: Mapping[str, Any]) -> list[str]:
@@ -372,7 +384,7 @@ class Targets:
         return self._channel
 
     def name(self, what: str = "target") -> str:
-        return f"t{uuid.uuid4().hex[:10]}.{what}"
+        return unique(what)
 
     async def queue(
         self,

@@ -25,6 +25,7 @@ from support import (
     message_count,
     rabbitmqctl,
     rabbitmqctl_path,
+    unique,
     wait_until_count,
 )
 
@@ -131,7 +132,7 @@ async def test_status_of_a_prefix_with_no_queues_exits_4_saying_check_the_prefix
     """Found by new-user trials: status of a mistyped --prefix listed every queue as
     missing and exited 0, then 1 (broker trouble); the exit table gives 4 when nothing of
     the prefix exists, as for cancel, upgrade and teardown."""
-    prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
+    prefix = unique()
 
     status, out, err = await hopsched_cli("status", "--url", broker_url, "--prefix", prefix)
 
@@ -153,7 +154,7 @@ async def test_cancel_or_reschedule_for_a_prefix_with_nothing_scheduled_is_refus
 ) -> None:
     """Found by a new-user trial: with a mistyped --prefix, cancel printed "cancelled"
     and declared a whole new prefix, and the real message was still delivered."""
-    prefix = f"hopsched-test-none-{uuid.uuid4().hex[:8]}"
+    prefix = unique()
 
     status, out, err = await hopsched_cli(*command, "--url", broker_url, "--prefix", prefix)
 
@@ -268,9 +269,9 @@ async def test_permissions_take_the_urls_vhost_and_the_grant_works_there(
 ) -> None:
     if rabbitmqctl_path() is None:
         pytest.skip("needs rabbitmqctl for the shared broker, to add a vhost and a user")
-    tag = uuid.uuid4().hex[:8]
+    tag = unique()
     vhost, user, password = f"team/a b#1%é {tag}", f"hopsched-{tag}", f"pw{tag}"
-    prefix = f"t{tag}"
+    prefix = tag
     node = urlsplit(broker_url).netloc.rpartition("@")[2]  # the test broker's host:port
     url = f"amqp://{user}:{password}@{node}/{quote(vhost, safe='')}"
 

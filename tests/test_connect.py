@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from support import Relays, Targets, rabbitmqctl, rabbitmqctl_path
+from support import Relays, Targets, rabbitmqctl, rabbitmqctl_path, unique
 
 import hopsched
 import hopsched.connect
@@ -78,7 +78,7 @@ async def login_url(broker_url: str) -> AsyncIterator[tuple[str, str]]:
         password = urlsplit(broker_url).password or ""
         yield broker_url, password
         return
-    user, password = f"hopsched-{uuid.uuid4().hex[:8]}", f"pw{uuid.uuid4().hex}"
+    user, password = unique(), f"pw{uuid.uuid4().hex}"
     await rabbitmqctl("add_user", user, password)
     try:
         await rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
@@ -224,7 +224,7 @@ async def test_a_user_without_configure_permission_gets_one_clear_error(
 ) -> None:
     if rabbitmqctl_path() is None:
         pytest.fail("rabbitmqctl is needed to create a user with limited permissions")
-    user, password = f"hopsched-{uuid.uuid4().hex[:8]}", f"pw{uuid.uuid4().hex}"
+    user, password = unique(), f"pw{uuid.uuid4().hex}"
     await rabbitmqctl("add_user", user, password)
     try:
         await rabbitmqctl("set_permissions", "-p", "/", user, "^$", ".*", ".*")

@@ -38,6 +38,7 @@ from support import (
     lateness_line,
     message_count,
     schedule_all,
+    unique,
     wait_until_count,
 )
 
@@ -279,7 +280,7 @@ class Schedule:
 def _node_settings(node: PrivateBroker, queue_type: str) -> hopsched.Settings:
     return hopsched.Settings(
         url=node.url,
-        prefix=f"t{uuid.uuid4().hex[:10]}",
+        prefix=unique(),
         queue_type=queue_type,  # type: ignore[arg-type]
     )
 
@@ -606,9 +607,9 @@ async def test_f09_broker_killed_twice_delivers_everything_after_recovery(
     await node.rabbitmqctl("add_user", "f09", password)
     await node.rabbitmqctl("set_permissions", "-p", "/", "f09", ".*", ".*", ".*")
     url = node.url.replace("guest:guest@", f"f09:{password}@")
-    settings = hopsched.Settings(url=url, prefix=f"t{uuid.uuid4().hex[:10]}", queue_type=queue_type)  # type: ignore[arg-type]
+    settings = hopsched.Settings(url=url, prefix=unique(), queue_type=queue_type)  # type: ignore[arg-type]
     relay = await relay_processes(settings, "--prefetch", str(F09_PREFETCH))
-    target = await CrashProofCollector(url, f"t{uuid.uuid4().hex[:10]}.target").start()
+    target = await CrashProofCollector(url, unique("target")).start()
     scheduled = Schedule()
     outages: list[tuple[int, int]] = []  # (killed, accepting AMQP again), µs
     at_kills: list[tuple[int, int]] = []  # ready in (the steps, the relay queue) at each kill

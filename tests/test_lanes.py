@@ -11,7 +11,6 @@ every message is delivered or parked, exactly once, and no task fails unawaited
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -20,7 +19,7 @@ import aio_pika
 import pytest
 from amqp_support import Outcomes, encoded, open_connection
 from broker import PrivateBroker
-from support import Cleanup, Relays, Targets, message_count
+from support import Cleanup, Relays, Targets, message_count, unique
 
 import hopsched
 from hopsched.amqp import Outcome
@@ -66,7 +65,7 @@ async def test_lanes_take_turns_on_few_channels_within_the_window(
                 publish((exchange, round_), target_lane(exchange), exchange, "")
             for index in range(10):
                 publish(("ladder", round_, index), LADDER_LANE, "", queue.name)
-        missing = f"t{uuid.uuid4().hex[:10]}.missing"
+        missing = unique("missing")
         publish("missing", target_lane(missing), missing, "")
         await outcomes.wait(within=30)
     finally:
@@ -144,7 +143,7 @@ async def test_F32_more_busy_targets_than_channels_delivers_or_parks_all(
         parked = await targets.consume(hopsched.Topology.from_settings(settings).parked_queue)
         due = datetime.now(UTC) + timedelta(seconds=4)
         routes = [(exchange, "") for exchange in exchanges] + [("", target.name)] * 20
-        missing = [(f"t{uuid.uuid4().hex[:10]}.missing", "") for _ in range(5)]
+        missing = [(unique("missing"), "") for _ in range(5)]
         async with hopsched.Scheduler(settings) as scheduler:
             scheduled = await asyncio.gather(
                 *(

@@ -20,7 +20,7 @@ import pytest_asyncio
 from broker import require_rabbitmq
 from hypothesis import given
 from hypothesis import strategies as st
-from support import Targets, hopsched_cli
+from support import Targets, hopsched_cli, unique
 
 import hopsched
 from hopsched.localbroker import PrivateBroker, free_port, private_cluster
@@ -135,7 +135,7 @@ async def test_check_target_on_the_default_exchange_delivers_nothing(
 ) -> None:
     """The default exchange needs no management API: a passive declare of the queue."""
     target = await targets.queue() if queue_exists else None
-    name = target.name if target is not None else f"t{uuid.uuid4().hex[:8]}.missing"
+    name = target.name if target is not None else unique("missing")
 
     if not queue_exists:
         with pytest.raises(hopsched.UnroutableTargetError, match=f"no queue '{name}'"):
