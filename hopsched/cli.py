@@ -29,6 +29,13 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
+from hopsched.ingress import DELAYED_TYPES, DelayedType, Ingress
+from hopsched.ingress_io import (
+    bind_to_due_exchange,
+    declare_ingress,
+    list_ingresses,
+    remove_ingress,
+)
 from hopsched.journal import CANCELLED, JournalFold, ScheduleInfo
 from hopsched.journal_io import read_journal
 from hopsched.logs import LogFormat, configure_logging
@@ -1056,11 +1063,22 @@ def teardown(
         click.echo(f"{step} ({lost} ready message(s) deleted with it)" if lost else step)
 
     async def go() -> Teardown:
+        try:  # read before the registry stream goes with the rest
+            ingresses = await list_ingresses(settings)
+        except PrefixNotDeclaredError:
+            ingresses = []
         connection = await connect(settings)
         async with connection:
-            return await topology.teardown(
+            done = await topology.teardown(
                 connection, force=force, count_held=count_held, progress=removed
             )
+            channel = await connection.channel()
+            for each in ingresses:  # their exchanges, now that nothing routes into them
+                for name in (each.exchange, topology.due_exchange(each.exchange)):
+                    await channel.exchange_delete(name)
+                    done.removed.append(name)
+                    removed(f"removed {name}", 0)
+            return done
 
     done: Teardown = _run(go(), settings)
     for name in done.missing:
@@ -1420,3 +1438,130 @@ def demo(
     if not report.ok:
         click.echo(f"FAILED: {report.early} early, {report.lost} lost", err=True)
         sys.exit(1)
+
+
+@main.group()
+def ingress() -> None:
+    """Ingresses: exchanges producers publish to with an x-delay header (ms), as to the
+    delayed-message plugin's x-delayed-message exchange; hopsched delivers each message
+    through the due exchange {prefix}.due.EXCHANGE when due (docs/ingress.md).
+
+    \b
+    declare EXCHANGE --type T   the producers' exchange, and its due exchange of type T
+    bind EXCHANGE QUEUE         a consumer queue to its due exchange (as it was bound to
+                                the plugin's exchange)
+    list                        the prefix's ingresses
+    remove EXCHANGE             both exchanges
+    """
+
+
+@ingress.command("declare")
+@_connection_options
+@click.argument("exchange")
+@click.option(
+    "--type",
+    "delayed_type",
+    type=click.Choice(DELAYED_TYPES),
+    required=True,
+    help="The plugin exchange's x-delayed-type: how the due exchange routes.",
+)
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    help="A routing key the plugin's direct exchange routed (repeatable): only while its "
+    "messages are still pending in the plugin (docs/migrating-from-the-delayed-message-"
+    "plugin.md).",
+)
+def ingress_declare(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    exchange: str,
+    delayed_type: DelayedType,
+    keys: tuple[str, ...],
+) -> None:
+    """Declare ingress EXCHANGE (idempotent). A relay of the prefix must have run there:
+    exit 4 if the prefix has no ingress queue."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    try:
+        declared = Ingress(exchange, delayed_type, keys)
+    except HopschedError as error:
+        raise _BadInput(str(error)) from None
+    _run(declare_ingress(settings, declared), settings)
+    topology = Topology.from_settings(settings)
+    click.echo(
+        f"ingress {exchange} on {settings.masked_url}: producers publish to exchange "
+        f"{exchange} (x-delay in ms); messages are due at the broker's receipt + x-delay and "
+        f"then go to exchange {topology.due_exchange(exchange)} ({delayed_type}): bind the "
+        f"consumers' queues there (hopsched ingress bind {exchange} QUEUE --key KEY)"
+    )
+
+
+@ingress.command("bind")
+@_connection_options
+@click.argument("exchange")
+@click.argument("queue")
+@click.option("--key", default="", help="Binding routing key (direct, topic).")
+@click.option(
+    "--argument",
+    "arguments",
+    multiple=True,
+    metavar="K=V",
+    help="A binding argument (headers exchanges: x-match=all|any, header values; "
+    "K:TYPE=V for a typed one), repeatable.",
+)
+def ingress_bind(
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    exchange: str,
+    queue: str,
+    key: str,
+    arguments: tuple[str, ...],
+) -> None:
+    """Bind QUEUE to ingress EXCHANGE's due exchange (what it received from the plugin's
+    exchange through its binding, it receives from there, when due)."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    try:
+        table = dict(parse_header(item) for item in arguments)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--argument") from None
+    due = _run(bind_to_due_exchange(settings, exchange, queue, key, table), settings)
+    click.echo(f"bound queue {queue} to {due} (key {key!r})")
+
+
+@ingress.command("list")
+@_connection_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def ingress_list(
+    url: str | None, prefix: str | None, queue_type: str | None, as_json: bool
+) -> None:
+    """The prefix's ingresses: exchange, type and due exchange, one a line."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    topology = Topology.from_settings(settings)
+    for each in _run(list_ingresses(settings), settings):
+        due = topology.due_exchange(each.exchange)
+        if as_json:
+            click.echo(json.dumps({**each.to_json(), "due_exchange": due}))
+        else:
+            keys = f" keys {', '.join(each.keys)}" if each.keys else ""
+            click.echo(f"{each.exchange} ({each.delayed_type}) -> {due}{keys}")
+
+
+@ingress.command("remove")
+@_connection_options
+@click.argument("exchange")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Remove the due exchange even with consumers bound (its pending messages will be "
+    "parked at their due time).",
+)
+def ingress_remove(
+    url: str | None, prefix: str | None, queue_type: str | None, exchange: str, force: bool
+) -> None:
+    """Remove ingress EXCHANGE: the producers' exchange and the due exchange."""
+    settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
+    for name in _run(remove_ingress(settings, exchange, force=force), settings):
+        click.echo(f"removed exchange {name}")

@@ -862,6 +862,16 @@ def refreshed_record(
     )
 
 
+def ingested_record(
+    envelope: Envelope, properties: bytes, body: bytes, at_us: int
+) -> JournalRecord:
+    """A relay's ``scheduled`` record for a message it took from an ingress
+    (``hopsched.ingress``), with its encoded ``properties`` as its copy."""
+    return _relay_record(
+        SCHEDULED, envelope, len(body), at_us, origin="ingress", copy=Copy(properties, body)
+    )
+
+
 def _relay_record(
     op: str,
     envelope: Envelope,

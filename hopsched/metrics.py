@@ -116,6 +116,18 @@ _COUNTERS = (
         "Copies of recurring occurrences dropped because another lineage of their chain "
         "won a lineage claim (the chain goes on in that lineage).",
     ),
+    (
+        "hopsched_ingested",
+        "ingested",
+        "Messages taken from ingress exchanges (x-delay, as for the delayed-message "
+        "plugin) and scheduled.",
+    ),
+    (
+        "hopsched_ingested_relay_clock",
+        "ingested_unstamped",
+        "Of hopsched_ingested, those timed from the relay's receipt: the broker stamped no "
+        "receipt time (RabbitMQ < 3.12, or no set_header_timestamp interceptor).",
+    ),
 )
 #: ``hopsched_recurring_chains_ended_total``'s reasons, and the ``catch_up`` policies of
 #: ``hopsched_recurring_skipped_total`` and ``hopsched_recurring_caught_up_total``, every

@@ -54,8 +54,10 @@ from hopsched.errors import (
 )
 from hopsched.holds import Holds
 from hopsched.hop_timing import HopTiming
+from hopsched.ingress import NotIngested, ingest
 from hopsched.journal import (
     delivered_record,
+    ingested_record,
     next_occurrence_record,
     refresh_step_ms,
     refreshed_record,
@@ -396,7 +398,7 @@ class _Session:
         relay, topology = self.relay, self.topology
         channel, lost_stream = await self._start()
         cancelled = asyncio.Event()
-        tag = await self._consume(channel, cancelled)
+        tags = await self._consume(channel, cancelled)
         relay._consuming.set()
         log.info(
             "relay consuming %s on node %s (prefetch %d, %s ladder %s)",
@@ -436,8 +438,11 @@ class _Session:
             )
             cancelled.clear()
             await self._declare()
-            tag = await self._consume(channel, cancelled)
-        await self._drain(channel, tag)
+            for tag in tags:  # the other consumer may be there still
+                with contextlib.suppress(ChannelClosedError):
+                    await channel.cancel(tag)
+            tags = await self._consume(channel, cancelled)
+        await self._drain(channel, tags)
         if torn_down is not None:
             raise torn_down
 
@@ -495,19 +500,28 @@ class _Session:
             return
         await declare_topology(self.settings, names, first=self.relay._connector.url)
 
-    async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> str:
-        try:
-            return await channel.consume(
-                self.topology.relay_queue,
-                self._received,
-                lambda _: cancelled.set(),
-                arguments=RELAY_CONSUMER_ARGUMENTS,
-            )
-        except ChannelClosedError as error:
-            if error.reply_code == 403:
-                refusal = f"the broker refused ({error}): this needs read permission on "
-                raise self._access_refused(refusal + self.topology.relay_queue) from None
-            raise
+    async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
+        """Consume ``{prefix}.relay`` and ``{prefix}.ingress`` on ``channel``; their tags."""
+        tags = []
+        for queue, callback in (
+            (self.topology.relay_queue, self._received),
+            (self.topology.ingress_queue, self._ingested),
+        ):
+            try:
+                tags.append(
+                    await channel.consume(
+                        queue,
+                        callback,
+                        lambda _: cancelled.set(),
+                        arguments=RELAY_CONSUMER_ARGUMENTS,
+                    )
+                )
+            except ChannelClosedError as error:
+                if error.reply_code == 403:
+                    refusal = f"the broker refused ({error}): this needs read permission on "
+                    raise self._access_refused(refusal + queue) from None
+                raise
+        return tags
 
     async def _missing(self, queue: str) -> bool:
         """Whether ``queue`` is gone (a passive declare answers 404)."""
@@ -563,12 +577,13 @@ class _Session:
         for final in self.held_by_id.get(schedule_id, ()):
             self._recheck_held(final)
 
-    async def _drain(self, channel: amqp.Channel, tag: str) -> None:
+    async def _drain(self, channel: amqp.Channel, tags: list[str]) -> None:
         """Stop consuming and finish what is held and in flight, within the shutdown
         timeout (a broker blocking this connection reads nothing, not even the cancel)."""
         with contextlib.suppress(TimeoutError, BrokerConnectionLost, ChannelClosedError):
             async with asyncio.timeout(self.relay._time_left(math.inf)):
-                await channel.cancel(tag)
+                for tag in tags:
+                    await channel.cancel(tag)
                 if len(self.acker):
                     log.info("finishing %d in-flight deliveries", len(self.acker))
                 await self.acker.settled()
@@ -582,6 +597,38 @@ class _Session:
         """Consume: a delivery from ``{prefix}.relay``, in the read that brought it."""
         self.acker.received(delivery.delivery_tag)
         self.detours.guarded_call(delivery, self._route, delivery)  # no closure per delivery
+
+    def _ingested(self, delivery: amqp.Delivery) -> None:
+        """Consume: a delivery from ``{prefix}.ingress`` (``hopsched.ingress``): made a
+        scheduled message, then routed as one (acked once its hop or delivery is
+        confirmed); what cannot be scheduled is parked."""
+        self.acker.received(delivery.delivery_tag)
+        self.detours.guarded_call(delivery, self._ingest, delivery)
+
+    def _ingest(self, delivery: amqp.Delivery) -> None:
+        if delivery.properties is None:
+            self.detours.park_as_is(delivery)
+            return
+        now = self.clock()
+        ingested = ingest(
+            prefix=self.settings.prefix,
+            exchange=delivery.exchange,
+            routing_key=delivery.routing_key,
+            properties=delivery.properties,
+            received_us=now,
+        )
+        if isinstance(ingested, NotIngested):
+            self.detours.park(delivery, Park(ingested.reason, ParkKind.MALFORMED))
+            return
+        self.stats.record_ingested(delivery.exchange, stamped=ingested.stamped)
+        delivery.properties = ingested.properties
+        try:
+            encoded = ingested.properties.encode()
+        except (ValueError, TypeError) as error:
+            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            return
+        self.journal.add(ingested_record(ingested.envelope, encoded, delivery.body, now))
+        self._route(delivery, again=True)
 
     def _route(self, delivery: amqp.Delivery, *, nacks: int = 0, again: bool = False) -> None:
         """Decide: hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its

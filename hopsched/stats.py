@@ -202,6 +202,9 @@ class RelayStats:
             ``overshoot``, per fixed bucket (``Buckets``; for metrics).
         clock_offsets: each producer's estimated clock offset from the relay's, µs
             (positive: the producer's clock is ahead).
+        ingested: messages taken from ingress exchanges (``hopsched.ingress``) and
+            scheduled; ``ingested_unstamped`` of them timed from the relay's receipt (the
+            broker stamped no receipt time: RabbitMQ < 3.12, or no message interceptor).
         held_now, in_flight_now: how many messages wait for their due time, and how
             many publishes await their confirm, now (set by the relay; 0 by default).
     """
@@ -229,6 +232,8 @@ class RelayStats:
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CATCH_UPS, 0))
     lineages: int = 0
     superseded: int = 0
+    ingested: int = 0
+    ingested_unstamped: int = 0
     policy_risks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_RISKS, 0))
     policy_unchecked: int = 0
     parked_by_kind: dict[ParkKind, int] = field(default_factory=lambda: dict.fromkeys(ParkKind, 0))
@@ -257,6 +262,13 @@ class RelayStats:
         self.lateness.record(lateness_us)
         self.lateness_buckets.record(lateness_us)
         self._interval.lateness.record(lateness_us)
+
+    def record_ingested(self, exchange: str, *, stamped: bool) -> None:
+        """A message taken from ingress ``exchange``; ``stamped``: timed from the broker's
+        receipt stamp."""
+        self.ingested += 1
+        if not stamped:
+            self.ingested_unstamped += 1
 
     def record_hop(self, *, retry: bool = False) -> None:
         self.hops += 1
@@ -342,6 +354,11 @@ class RelayStats:
                 if totals.links
                 else ""
             )
+            + (
+                f" ingested={totals.ingested} (by the relay's clock {totals.ingested_unstamped})"
+                if totals.ingested
+                else ""
+            )
         ]
         lines += [
             f"{count} messages for {target}: {problem}"
@@ -379,6 +396,8 @@ class RelayStats:
                 "recurring_scheduled": self.links,
                 "lineage_claims": self.lineages,
                 "superseded": self.superseded,
+                "ingested": self.ingested,
+                "ingested_unstamped": self.ingested_unstamped,
             },
             chains_ended=dict(self.chains_ended),
             caught_up=dict(self.caught_up),

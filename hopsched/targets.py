@@ -90,6 +90,8 @@ class TargetPolicy:
             exchange.startswith(own) or (exchange == "" and routing_key.startswith(own))
         ):
             return None
+        if exchange.startswith(f"{own}due."):  # an ingress's due exchange: consumers' own
+            return None
         return (
             f"target exchange {exchange!r} routing key {routing_key!r} is inside hopsched's own "
             f"namespace {own}* (its step, relay and parking queues, cancel stream and "
@@ -102,6 +104,8 @@ class TargetPolicy:
         if it is."""
         if internal := self.internal(exchange, routing_key):
             return internal
+        if self._own is not None and exchange.startswith(f"{self._own}due."):
+            return None  # an ingress delivers only to its own due exchange (basic.deliver's)
         if self.allows(exchange, routing_key):
             return None
         allowed = ", ".join(repr(str(pattern)) for pattern in self.patterns)

@@ -292,9 +292,24 @@ class Topology:
         return f"{self.prefix}.journal"
 
     @property
-    def streams(self) -> tuple[str, str]:
+    def ingress_queue(self) -> str:
+        """``{prefix}.ingress``: what producers publish with ``x-delay`` to an ingress
+        exchange (``hopsched.ingress``), until a relay schedules it."""
+        return f"{self.prefix}.ingress"
+
+    @property
+    def ingress_registry(self) -> str:
+        """``{prefix}.ingresses``: the stream of ingress declarations and removals."""
+        return f"{self.prefix}.ingresses"
+
+    def due_exchange(self, exchange: str) -> str:
+        """Where ingress ``exchange``'s messages go when due: ``{prefix}.due.{exchange}``."""
+        return f"{self.prefix}.due.{exchange}"
+
+    @property
+    def streams(self) -> tuple[str, ...]:
         """The prefix's streams: records, no messages to deliver."""
-        return (self.cancel_stream, self.journal_stream)
+        return (self.cancel_stream, self.journal_stream, self.ingress_registry)
 
     def step_queue(self, step_ms: int) -> str:
         return f"{self.prefix}.step.{step_ms}"
@@ -352,7 +367,12 @@ class Topology:
         while it declares them anew (``HOLDING_SUFFIX``); none exists but during one."""
         return tuple(f"{name}{HOLDING_SUFFIX}" for name in (self.relay_queue, self.parked_queue))
 
-    def permissions(self, role: Role, target_exchanges: Iterable[str] = ()) -> Permissions:
+    def permissions(
+        self,
+        role: Role,
+        target_exchanges: Iterable[str] = (),
+        ingress_exchanges: Iterable[str] = (),
+    ) -> Permissions:
         """The narrowest grant RabbitMQ can express for ``role`` on this prefix (see
         https://www.rabbitmq.com/docs/access-control for what each operation needs).
 
@@ -373,6 +393,12 @@ class Topology:
           on ``upgrade``'s holding queues; write on ``amq.default``, ``{prefix}.expired``
           and the relay and holding queues (bindings).
 
+        With ``ingress_exchanges`` (``hopsched.ingress``): a producer may write on those
+        exchanges and nothing else (it publishes with ``x-delay`` as to the plugin); the
+        operator may also configure and read them (``hopsched ingress declare`` binds
+        them to ``{prefix}.ingress``). The relay reads ``{prefix}.ingress`` and writes on
+        the due exchanges ``{prefix}.due.*`` whatever the ingresses.
+
         Write on ``amq.default`` reaches every queue of the vhost by name, and RabbitMQ
         cannot limit it by routing key (topic permissions apply to topic exchanges only,
         https://www.rabbitmq.com/docs/access-control#topic-authorisation): limit final
@@ -383,26 +409,29 @@ class Topology:
             ValueError: ``role`` is not one of ``ROLES``.
         """
         prefix = re.escape(self.prefix) + r"\."
-        own = r"step\.[0-9]+|expired|relay|parked|cancelled|journal"
+        own = r"step\.[0-9]+|expired|relay|ingress|ingresses|parked|cancelled|journal"
         holds = "|".join(
             re.escape(name.removeprefix(self.prefix + ".")) for name in self.holding_queues
         )
+        ingresses = sorted({re.escape(name) for name in ingress_exchanges})
         if role == "producer":
+            if ingresses:
+                return Permissions(configure="^$", write=f"^({'|'.join(ingresses)})$", read="^$")
             return Permissions(
                 configure="^$", write=rf"^(amq\.default|{prefix}expired)$", read="^$"
             )
         if role == "relay":
             targets = sorted({re.escape(name) for name in target_exchanges if name})
-            write = "|".join([r"amq\.default", rf"{prefix}(expired|relay)", *targets])
+            write = "|".join([r"amq\.default", rf"{prefix}(expired|relay|due\..+)", *targets])
             return Permissions(
                 configure=rf"^{prefix}({own})$",
                 write=f"^({write})$",
-                read=rf"^{prefix}(step\.[0-9]+|expired|relay|cancelled)$",
+                read=rf"^{prefix}(step\.[0-9]+|expired|relay|ingress|cancelled)$",
             )
         if role == "operator":
-            every = rf"^{prefix}({own}|{holds})$"
-            write = rf"^(amq\.default|{prefix}(expired|relay|{holds}))$"
-            return Permissions(configure=every, write=write, read=every)
+            every = "|".join([rf"{prefix}({own}|due\..+|{holds})", *ingresses])
+            write = rf"^(amq\.default|{prefix}(expired|relay|ingress|ingresses|due\..+|{holds}))$"
+            return Permissions(configure=f"^({every})$", write=write, read=f"^({every})$")
         raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
 
     def _queue_arguments(self) -> dict[str, Any]:
@@ -442,10 +471,12 @@ class Topology:
         return arguments
 
     def queues(self) -> dict[str, dict[str, Any]]:
-        """Every queue's name and declare arguments: steps, relay, parked, the
-        cancellation stream."""
+        """Every queue's name and declare arguments: steps, relay, ingress, parked, the
+        cancellation, journal and ingress-registry streams. The ingress queue is the
+        relay queue's like (a delivery limit, dead-lettered into parking)."""
         queues = {self.step_queue(s): self.step_arguments(s) for s in self.ladder.steps}
         queues[self.relay_queue] = self.relay_arguments()
+        queues[self.ingress_queue] = self.relay_arguments()
         queues[self.parked_queue] = self.parked_arguments()
         queues[self.cancel_stream] = {
             "x-queue-type": "stream",
@@ -457,6 +488,7 @@ class Topology:
             "x-max-length-bytes": JOURNAL_MAX_BYTES,
             "x-stream-max-segment-size-bytes": JOURNAL_SEGMENT_BYTES,
         }
+        queues[self.ingress_registry] = {"x-queue-type": "stream"}  # a few records: kept
         return queues
 
     def queues_but_stream(self) -> list[str]:
