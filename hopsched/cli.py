@@ -1473,6 +1473,20 @@ def ingress() -> None:
     "messages are still pending in the plugin (docs/migrating-from-the-delayed-message-"
     "plugin.md).",
 )
+@click.option(
+    "--bind",
+    "bindings",
+    multiple=True,
+    metavar="QUEUE[:KEY]",
+    help="Bind a consumer queue to the due exchange with KEY (repeatable), before the "
+    "exchange itself is declared.",
+)
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Delete an exchange of that name first (the delayed-message plugin's: keep the "
+    "plugin enabled until its longest pending delay has passed).",
+)
 def ingress_declare(
     url: str | None,
     prefix: str | None,
@@ -1480,6 +1494,8 @@ def ingress_declare(
     exchange: str,
     delayed_type: DelayedType,
     keys: tuple[str, ...],
+    bindings: tuple[str, ...],
+    replace: bool,
 ) -> None:
     """Declare ingress EXCHANGE (idempotent). A relay of the prefix must have run there:
     exit 4 if the prefix has no ingress queue."""
@@ -1488,7 +1504,8 @@ def ingress_declare(
         declared = Ingress(exchange, delayed_type, keys)
     except HopschedError as error:
         raise _BadInput(str(error)) from None
-    _run(declare_ingress(settings, declared), settings)
+    pairs = tuple((queue, key) for queue, _, key in (item.partition(":") for item in bindings))
+    _run(declare_ingress(settings, declared, bindings=pairs, replace=replace), settings)
     topology = Topology.from_settings(settings)
     click.echo(
         f"ingress {exchange} on {settings.masked_url}: producers publish to exchange "

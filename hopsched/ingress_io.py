@@ -42,9 +42,23 @@ log = logging.getLogger("hopsched.ingress")
 READ_TIMEOUT_S = 30.0
 
 
-async def declare_ingress(settings: Settings, ingress: Ingress) -> None:
-    """Declare ``ingress`` on ``settings``' prefix (idempotent): its exchange, its due
-    exchange, the binding to ``{prefix}.ingress``, and its record.
+async def declare_ingress(
+    settings: Settings,
+    ingress: Ingress,
+    *,
+    bindings: tuple[tuple[str, str], ...] = (),
+    replace: bool = False,
+) -> None:
+    """Declare ``ingress`` on ``settings``' prefix (idempotent): its due exchange, the
+    consumers' ``bindings`` (queue, routing key) to it, its exchange, the binding to
+    ``{prefix}.ingress``, and its record, in that order.
+
+    With ``replace``, an exchange of that name that exists (the delayed-message plugin's)
+    is deleted just before hopsched's is declared: the consumers are bound to the due
+    exchange by then. Keep the plugin enabled until its longest pending delay has
+    passed: it routes a message that comes due through the exchange's *name*, now
+    hopsched's, which takes it to the ingress and delivers it at once (for a ``direct``
+    plugin exchange, only by the exact ``Ingress.keys``).
 
     Raises:
         PrefixNotDeclaredError: the prefix has no relay queue (a mistyped prefix, or no
@@ -58,14 +72,21 @@ async def declare_ingress(settings: Settings, ingress: Ingress) -> None:
     connection = await connect(settings, name="hopsched-ingress")
     async with connection:
         await _require_prefix(connection, settings, topology)
-        declaring = f"exchange {ingress.exchange!r}"
+        declaring = f"exchange {due!r}"
         try:
             channel = await connection.channel()
+            await channel.declare_exchange(due, ingress.delayed_type, durable=True)
+            for queue_name, key in bindings:
+                declaring = f"the binding of queue {queue_name!r} to {due!r}"
+                bound = await channel.declare_queue(queue_name, passive=True)
+                await bound.bind(due, routing_key=key)
+            declaring = f"exchange {ingress.exchange!r}"
+            if replace:
+                await channel.exchange_delete(ingress.exchange)
+                log.warning("deleted exchange %s to declare it as an ingress", ingress.exchange)
             entry = await channel.declare_exchange(
                 ingress.exchange, aio_pika.ExchangeType.TOPIC, durable=True
             )
-            declaring = f"exchange {due!r}"
-            await channel.declare_exchange(due, ingress.delayed_type, durable=True)
             declaring = f"the binding of {ingress.exchange!r} to {topology.ingress_queue!r}"
             queue = await channel.declare_queue(topology.ingress_queue, passive=True)
             for key in ("#", *ingress.keys):
@@ -75,8 +96,14 @@ async def declare_ingress(settings: Settings, ingress: Ingress) -> None:
             raise HopschedError(
                 f"declaring {declaring}: {error.args[0] if error.args else error}. An exchange "
                 "of that name exists with another type: if it is the delayed-message "
-                "plugin's, follow docs/migrating-from-the-delayed-message-plugin.md (its "
-                "pending messages are lost with it if deleted too early)"
+                "plugin's, follow docs/migrating-from-the-delayed-message-plugin.md "
+                "(`hopsched ingress declare --replace`, the plugin kept enabled until its "
+                "longest pending delay has passed)"
+            ) from None
+        except aiormq.exceptions.ChannelNotFoundEntity as error:
+            raise HopschedError(
+                f"declaring {declaring}: {error.args[0] if error.args else error}: declare "
+                "the consumers' queues first"
             ) from None
         except aiormq.exceptions.ChannelAccessRefused as error:
             raise AccessRefusedError(
