@@ -1148,6 +1148,13 @@ def upgrade(url: str | None, prefix: str | None, queue_type: str | None) -> None
     multiple=True,
     help="An exchange the relay delivers to (repeatable; the default exchange needs none).",
 )
+@click.option(
+    "--ingress",
+    "ingress_exchanges",
+    multiple=True,
+    help="An ingress exchange (repeatable): the producer's grant writes there and nowhere "
+    "else; the operator's may declare it.",
+)
 def permissions(
     url: str | None,
     prefix: str | None,
@@ -1156,6 +1163,7 @@ def permissions(
     user: str,
     vhost: str | None,
     target_exchanges: tuple[str, ...],
+    ingress_exchanges: tuple[str, ...],
 ) -> None:
     """Print the rabbitmqctl commands granting each role (producer, relay, operator) the
     least it needs; docs/security.md says what each grant allows."""
@@ -1171,11 +1179,13 @@ def permissions(
     topology = Topology.from_settings(settings)
     vhost = settings.vhost if vhost is None else vhost
     if role is not None:
-        click.echo(topology.permissions(role, target_exchanges).command(user, vhost))
+        grant = topology.permissions(role, target_exchanges, ingress_exchanges)
+        click.echo(grant.command(user, vhost))
         return
     for each in ROLES:
         click.echo(f"# {each}: {_ROLE_DOES[each]}")
-        click.echo(topology.permissions(each, target_exchanges).command(f"{user}-{each}", vhost))
+        grant = topology.permissions(each, target_exchanges, ingress_exchanges)
+        click.echo(grant.command(f"{user}-{each}", vhost))
 
 
 _ROLE_DOES: dict[Role, str] = {

@@ -307,9 +307,9 @@ class Topology:
         return f"{self.prefix}.due.{exchange}"
 
     @property
-    def streams(self) -> tuple[str, ...]:
-        """The prefix's streams: records, no messages to deliver."""
-        return (self.cancel_stream, self.journal_stream, self.ingress_registry)
+    def streams(self) -> tuple[str, str]:
+        """The ladder's streams: records, no messages to deliver."""
+        return (self.cancel_stream, self.journal_stream)
 
     def step_queue(self, step_ms: int) -> str:
         return f"{self.prefix}.step.{step_ms}"
@@ -471,12 +471,10 @@ class Topology:
         return arguments
 
     def queues(self) -> dict[str, dict[str, Any]]:
-        """Every queue's name and declare arguments: steps, relay, ingress, parked, the
-        cancellation, journal and ingress-registry streams. The ingress queue is the
-        relay queue's like (a delivery limit, dead-lettered into parking)."""
+        """The ladder's queues, names and declare arguments: steps, relay, parked, the
+        cancellation and journal streams (``all_queues`` adds the ingress's)."""
         queues = {self.step_queue(s): self.step_arguments(s) for s in self.ladder.steps}
         queues[self.relay_queue] = self.relay_arguments()
-        queues[self.ingress_queue] = self.relay_arguments()
         queues[self.parked_queue] = self.parked_arguments()
         queues[self.cancel_stream] = {
             "x-queue-type": "stream",
@@ -488,8 +486,27 @@ class Topology:
             "x-max-length-bytes": JOURNAL_MAX_BYTES,
             "x-stream-max-segment-size-bytes": JOURNAL_SEGMENT_BYTES,
         }
-        queues[self.ingress_registry] = {"x-queue-type": "stream"}  # a few records: kept
         return queues
+
+    def ingress_queues(self) -> dict[str, dict[str, Any]]:
+        """The queues of the x-delay ingress (``hopsched.ingress``), declared by every
+        relay: ``{prefix}.ingress``, like the relay queue (a delivery limit, dead-lettered
+        into parking), and the stream ``{prefix}.ingresses`` (a few records, kept). Not
+        in ``queues()``: the policy checks (``hopsched.policies``) cover the ladder's."""
+        return {
+            self.ingress_queue: self.relay_arguments(),
+            self.ingress_registry: {"x-queue-type": "stream"},
+        }
+
+    def all_queues(self) -> dict[str, dict[str, Any]]:
+        """``queues()`` and ``ingress_queues()``: what ``declare``, ``inspect`` and
+        ``teardown`` handle."""
+        return {**self.queues(), **self.ingress_queues()}
+
+    @property
+    def records(self) -> tuple[str, ...]:
+        """Every stream of the prefix: records, no messages to lose in a teardown."""
+        return (*self.streams, self.ingress_registry)
 
     def queues_but_stream(self) -> list[str]:
         """The queues a scheduler needs to schedule: all but the streams (it declares
@@ -519,7 +536,7 @@ class Topology:
                 await channel.declare_exchange(
                     self.expired_exchange, aio_pika.ExchangeType.DIRECT, durable=True
                 )
-                for name, arguments in self.queues().items():
+                for name, arguments in self.all_queues().items():
                     if wanted is not None and name not in wanted:
                         continue
                     declaring = name
@@ -701,7 +718,7 @@ class Topology:
             AccessRefusedError: the user may not declare them (AMQP 403).
         """
         depths: dict[str, QueueDepth | None] = {}
-        for name, arguments in self.queues().items():
+        for name, arguments in self.all_queues().items():
             channel = await connection.channel(publisher_confirms=False)
             underlay = await channel.get_underlay_channel()
             try:
@@ -761,7 +778,7 @@ class Topology:
             AccessRefusedError: the user may not delete them (AMQP 403).
         """
         depths = await self.inspect(connection, check_arguments=False)
-        refusal = teardown_refusal(depths, self.streams, self.holding_queues)
+        refusal = teardown_refusal(depths, self.records, self.holding_queues)
         if refusal is not None and not force:
             raise HopschedError(refusal)
         exchange_exists = await self._exchange_exists(connection)
