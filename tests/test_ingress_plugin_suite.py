@@ -412,7 +412,7 @@ async def test_unroutable_message_is_parked_not_dropped(
     assert body_of(got) == {"n": 0, "delay": 300}
 
 
-@pytest.mark.parametrize("value", ["soon", "12ms", "", "1e3x", True, 1.5e400])
+@pytest.mark.parametrize("value", ["soon", "12ms", "", "1e3x", "0x10", True, [500]])
 async def test_non_numeric_delay_is_parked_not_sent(
     value: Any,
     settings: hopsched.Settings,
@@ -422,9 +422,8 @@ async def test_non_numeric_delay_is_parked_not_sent(
     amqp: aio_pika.abc.AbstractConnection,
 ) -> None:
     """The plugin sends a message whose x-delay is no number at once; hopsched parks it,
-    with a reason naming x-delay."""
-    if isinstance(value, float):
-        value = float("inf")
+    with a reason naming x-delay. (A float infinity is not tried: RabbitMQ 3.10 closes
+    the producer's connection with INTERNAL_ERROR on it, before hopsched sees it.)"""
     name = await ingress(settings, cleanup, "direct")
     queue = await targets.queue()
     await bind_to_due_exchange(settings, name, queue.name, "")
