@@ -447,6 +447,12 @@ async def restart_case(
     """Durable ingress (direct) and durable queue on a private node, a relay in-process;
     publish ``delays``, wait ``wait_s``, restart the node (``how``: kill or stop), then
     consume: every message once, never early, in due order."""
+    if how == "kill" and not node.installation.version.startswith(("4", "5")):
+        pytest.skip(
+            "RabbitMQ 3.10 restarts a node killed within 3 min of its first stream declare "
+            "with its streams down for good (docs/operations.md, 'A stream down after a "
+            "crash'): the relay waits for {prefix}.cancelled and delivers nothing"
+        )
     settings = hopsched.Settings(url=node.url, prefix=unique(), log_interval_s=5.0)
     relay = await relays.start(settings)
     name = unique("x")
@@ -472,10 +478,26 @@ async def restart_case(
         channel = await connection.channel()
         underlay = await channel.get_underlay_channel()
         await underlay.basic_consume(queue_name, collector.on_message, no_ack=True)
-        await collector.wait_for(len(delays), within=max(delays) / 1000 + 30)
+        try:
+            await collector.wait_for(len(delays), within=max(delays) / 1000 + 30)
+        finally:
+            topology = hopsched.Topology.from_settings(settings)
+            depths = {
+                q: await message_count(connection, q)
+                for q in (topology.ingress_queue, topology.relay_queue, topology.parked_queue)
+            }
+            steps = [await message_count(connection, q) for q in topology.step_queues]
+            print(f"depths {depths} steps {steps} stats {relay.stats.snapshot()}")
         await collector.settle(2.0)
+    published = dict(sent)
+    for r in collector.received:
+        n = body_of(r)["n"]
+        late_ms = (r.received_us - published[n]) / 1000 - delays[n]
+        print(f"x-delay {delays[n]} arrived {late_ms:.0f} ms after due")
+    async with asyncio.timeout(30):  # the relay reconnected (its back-off reaches 5 s)
+        while relay.stats.reconnects < 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
     assert_delivered_as_the_plugin(collector, delays, sent, ordered=True)
-    assert relay.stats.reconnects >= 1
 
 
 @pytest.mark.slow
