@@ -493,7 +493,7 @@ async def restart_case(
     for r in collector.received:
         n = body_of(r)["n"]
         late_ms = (r.received_us - published[n]) / 1000 - delays[n]
-        print(f"x-delay {delays[n]} arrived {late_ms:.0f} ms after due")
+        print(f"x-delay {delays[n]} arrived {late_ms:.0f} ms after due, id {r.schedule_id}")
     async with asyncio.timeout(30):  # the relay reconnected (its back-off reaches 5 s)
         while relay.stats.reconnects < 1:  # noqa: ASYNC110
             await asyncio.sleep(0.1)
