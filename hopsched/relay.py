@@ -630,10 +630,37 @@ class _Session:
         self.journal.add(ingested_record(ingested.envelope, encoded, delivery.body, now))
         self._route(delivery, again=True)
 
+    def _enqueue(self, delivery: amqp.Delivery, envelope: Envelope) -> None:
+        """An ingress message due within the hold window: onto ``{prefix}.relay``, its due
+        time in its envelope, and acked from the ingress once confirmed. Held unacked
+        from the ingress instead, a broker restart would deliver it again with no due
+        time but a new receipt: its delay would start again (found by the plugin suite's
+        node_restart_before_delay_expires)."""
+        assert delivery.properties is not None
+        topology = self.topology
+
+        def enqueued(outcome: amqp.Outcome, detail: Any) -> None:
+            if outcome is amqp.Outcome.ACK:
+                self.acker.done(delivery.delivery_tag)
+            else:
+                self.detours.not_published(
+                    delivery, f"ingress to {topology.relay_queue}", outcome, detail
+                )
+
+        self._publish(
+            LADDER_LANE,
+            topology.expired_exchange,
+            DEAD_LETTER_ROUTING_KEY,
+            delivery,
+            delivery.properties.encode(),
+            enqueued,
+        )
+
     def _route(self, delivery: amqp.Delivery, *, nacks: int = 0, again: bool = False) -> None:
         """Decide: hop, hold, deliver, park or drop ``delivery``; ``nacks``: how often its
         hop was nacked already; ``again``: routed anew (e.g. held, then rescheduled).
-        Either way its hop stamp was measured on arrival, not now."""
+        Either way its hop stamp was measured on arrival, not now. A delivery from
+        ``{prefix}.ingress`` is never held from there (``_enqueue``)."""
         properties = delivery.properties
         if properties is None:
             self.detours.park_as_is(delivery)
@@ -679,6 +706,8 @@ class _Session:
                 self.stats.unsigned += 1
             if isinstance(decision.plan, Hop):
                 self._hop(delivery, envelope, decision.plan.step_ms, nacks=nacks)
+            elif delivery.exchange not in ("", self.topology.expired_exchange):
+                self._enqueue(delivery, envelope)  # from an ingress exchange
             else:
                 self._final(delivery, envelope, now)
 

@@ -11,7 +11,7 @@ import aio_pika
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support import Cleanup, Targets, hopsched_cli, wait_until_count
+from support import Cleanup, Targets, broker_version, hopsched_cli, unique, wait_until_count
 
 import hopsched
 from hopsched.amqp import Properties, Table
@@ -309,3 +309,66 @@ async def test_the_cli_replaces_an_exchange_of_that_name_with_the_consumers_boun
     )
     assert status == 0, err
     assert f"removed exchange {exchange}" in out
+
+
+#: rabbitmq.conf's line for the broker's receipt stamp (RabbitMQ >= 3.12).
+STAMP_CONFIG = "message_interceptors.incoming.set_header_timestamp.overwrite = false"
+
+
+@pytest.mark.slow  # a private node (two where it stamps), a relay outage of 3 s
+async def test_the_delay_starts_at_the_brokers_receipt_and_never_earlier_after_an_outage(
+    start_private_broker: Any, relays: Any
+) -> None:
+    """A message published with x-delay 2 s while no relay runs, a relay started 3 s
+    later. Where the broker stamps its receipt (RabbitMQ >= 3.12 with the timestamp
+    interceptor), the due time is that stamp + 2 s: delivered at once when the relay
+    comes. Where it does not (3.10), the delay starts at the relay's receipt: late by the
+    outage, never early. Either way the message arrives once."""
+    node = await start_private_broker()
+    probe = await aio_pika.connect(node.url)
+    version = broker_version(probe)
+    await probe.close()
+    stamped = version >= (3, 12)
+    if stamped:  # the same test on a node that stamps
+        node = await start_private_broker(config=STAMP_CONFIG)
+    settings = hopsched.Settings(url=node.url, prefix=unique(), queue_type="quorum")
+    relay = await relays.start(settings)
+    exchange = f"{settings.prefix}-orders"
+    await declare_ingress(settings, Ingress(exchange, "fanout"))
+    connection = await aio_pika.connect(node.url)
+    channel = await connection.channel(publisher_confirms=True)
+    queue = await channel.declare_queue(unique("target"), durable=True)
+    await bind_to_due_exchange(settings, exchange, queue.name)
+    await relays.stop(relay)
+
+    published = time.time()
+    entry = await channel.get_exchange(exchange)
+    await entry.publish(aio_pika.Message(b"x", headers={DELAY_HEADER: 2000}), "")
+    await asyncio.sleep(3)
+    restarted = time.time()
+    relay = await relays.start(settings)
+    message = await _wait_get(queue, 15)
+    arrived = time.time()
+    await message.ack()
+    await connection.close()
+
+    assert message.headers is not None
+    due_us = int(message.headers["x-hopsched-due"])  # type: ignore[call-overload]
+    if stamped:
+        stamp_ms = int(message.headers[BROKER_TIMESTAMP_HEADER])  # type: ignore[call-overload]
+        assert due_us == (stamp_ms + 2000) * 1000
+        assert relay.stats.ingested_unstamped == 0
+        assert arrived - restarted < 2  # overdue: at once, not 2 s more
+    else:
+        assert due_us >= int((restarted + 2) * 1e6) - 1000  # counted from the relay's receipt
+        assert arrived >= restarted + 2 - 0.001
+        assert relay.stats.ingested_unstamped == 1
+    assert arrived >= published + 2 - 0.001  # never early
+
+
+async def _wait_get(queue: aio_pika.abc.AbstractQueue, within: float) -> Any:
+    async with asyncio.timeout(within):
+        while True:  # basic.get: the broker signals no event for a message arriving
+            if (message := await queue.get(fail=False)) is not None:
+                return message
+            await asyncio.sleep(0.05)
