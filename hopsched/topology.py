@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shlex
@@ -1008,7 +1009,7 @@ async def declare_topology(
     """
     topology = Topology.from_settings(settings)
     connection = await connect(settings, name="hopsched-declare", first=first)
-    async with connection:
+    try:
         if existing and await _passive_depth(connection, topology.relay_queue) is None:
             raise PrefixNotDeclaredError(
                 f"prefix {settings.prefix!r} has no relay queue ({topology.relay_queue}) at "
@@ -1021,6 +1022,12 @@ async def declare_topology(
                 queue=topology.relay_queue,
             )
         await topology.declare(connection, names)
+    finally:
+        # Cancelled mid-declare (a relay stopping while a restarted node recovers), the
+        # channel's close is cancelled too and the broker closes the connection (504):
+        # that is no error of the declare's.
+        with contextlib.suppress(aiormq.exceptions.AMQPError, ConnectionError):
+            await connection.close()
 
 
 def _unquote(value: str) -> str:
