@@ -260,6 +260,12 @@ class Scheduler:
         check, self._policy_check = self._policy_check, None
         if check is not None:
             check.cancel()
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:  # a connect still under way (Ctrl-C mid-connect): end it
+            connecting.cancel()  # here, its outcome retrieved: never left failing unawaited
+            await asyncio.wait({connecting})
+            if not connecting.cancelled() and connecting.exception() is None:
+                self._publisher = connecting.result()  # it connected just as it was cancelled
         for publisher in (self._publisher, self._journal_publisher):
             if publisher is not None:
                 await publisher.close()

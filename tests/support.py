@@ -345,7 +345,7 @@ class Cleanup:
 
     def topology(self, settings: hopsched.Settings) -> None:
         topology = hopsched.Topology.from_settings(settings)
-        self.queues.update(topology.queues())
+        self.queues.update(topology.all_queues())
         self.exchanges.add(topology.expired_exchange)
 
     async def run(self) -> list[str]:

@@ -403,7 +403,7 @@ async def test_teardown_refuses_while_messages_wait_then_removes_everything_with
 ) -> None:
     topology = hopsched.Topology.from_settings(settings)
     # the cancel stream first: a running relay takes its deletion for the teardown
-    queues = [name for name in topology.all_queues() if name != topology.cancel_stream]
+    queues = [name for name in topology.queues() if name != topology.cancel_stream]
     everything = [topology.cancel_stream, *queues, topology.expired_exchange]
     await scheduler.schedule(b"later", delay=3600, routing_key="q")
     await scheduler.cancel("something-else")  # the stream's records are no pending messages
@@ -547,12 +547,17 @@ async def test_demo_interrupted_removes_its_throwaway_node(stop: signal.Signals)
 
 
 async def test_demo_interrupted_on_a_broker_names_the_command_that_removes_its_ladder(
-    settings: hopsched.Settings,
+    settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
     """Its messages still on the ladder, the demo does not delete them; it says the
     command that does, and that command works as said."""
     process, _ = await demo_scheduling("--url", settings.url, "--prefix", settings.prefix)
-    await asyncio.sleep(1.0)  # some are scheduled
+    topology = hopsched.Topology.from_settings(settings)
+    async with asyncio.timeout(60):  # some are scheduled (a loaded machine takes seconds)
+        while True:  # the broker signals no event for a publish: polling is the only way
+            if sum([await message_count(amqp, q) for q in topology.step_queues]):
+                break
+            await asyncio.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     _, rest = await asyncio.wait_for(process.communicate(), 60)
 

@@ -251,7 +251,7 @@ async def test_an_upgrade_of_a_prefix_that_does_not_exist_declares_nothing(
     assert f"nothing of prefix {settings.prefix!r} exists" in err
     assert "check --prefix" in err
     topology = hopsched.Topology.from_settings(settings)
-    for name in [*topology.queues(), *topology.holding_queues]:
+    for name in [*topology.all_queues(), *topology.holding_queues]:
         assert not await exists(amqp, name)
 
 
@@ -313,7 +313,7 @@ async def test_a_teardown_killed_is_finished_by_the_next_run(
     assert status == 0, (out, err)
     assert f"did not exist: {first}" in out
     assert f"removed {topology.relay_queue}" in out
-    for name in topology.queues():
+    for name in topology.all_queues():
         assert not await exists(amqp, name)
 
     status, out, err = await hopsched_cli("teardown", settings=settings)

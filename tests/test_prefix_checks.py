@@ -17,7 +17,7 @@ AMQP = aio_pika.abc.AbstractConnection
 
 async def assert_nothing_declared(amqp: AMQP, settings: hopsched.Settings) -> None:
     topology = hopsched.Topology.from_settings(settings)
-    for name in topology.queues():
+    for name in topology.all_queues():
         channel = await amqp.channel()
         with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
             await channel.declare_queue(name, passive=True)

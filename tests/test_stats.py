@@ -61,6 +61,8 @@ def test_snapshot_copies_the_totals_and_reads_the_gauges() -> None:
         "recurring_scheduled": 0,
         "lineage_claims": 0,
         "superseded": 0,
+        "ingested": 0,
+        "ingested_unstamped": 0,
     }
     assert snapshot.chains_ended == {"count": 0, "until": 0, "cancelled": 0}
     assert snapshot.skipped == snapshot.caught_up == {"latest": 0, "all": 0, "none": 0}

@@ -47,7 +47,7 @@ def test_the_least_grant_covers_every_object_of_the_prefix() -> None:
     topology = hopsched.Topology.from_settings(hopsched.Settings(prefix="app.x"))
     operator, relay = topology.permissions("operator"), topology.permissions("relay")
     producer = topology.permissions("producer", ["orders"])
-    names = [*topology.queues(), topology.expired_exchange]
+    names = [*topology.all_queues(), topology.expired_exchange]
     for pattern in (operator.configure, operator.read, relay.configure):
         assert all(re.match(pattern, name) for name in names), (pattern, names)
         assert not re.match(pattern, "app.y.relay")
@@ -55,6 +55,7 @@ def test_the_least_grant_covers_every_object_of_the_prefix() -> None:
     assert [name for name in names if not re.match(relay.read, name)] == [
         "app.x.parked",
         "app.x.journal",
+        "app.x.ingresses",
     ]
     assert (producer.configure, producer.read) == ("^$", "^$")
     assert [name for name in ("amq.default", "app.x.expired", "orders", "app.x.relay")
