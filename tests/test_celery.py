@@ -11,6 +11,8 @@ carries the run's marker and is deleted after the test.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +29,7 @@ from celery import Celery
 from celery_app import make_app
 from kombu import Exchange, Queue
 from support import HEADER_PARKED_REASON, Cleanup, Targets, lateness_line, message_count, unique
+from test_faults import RelayProcess
 
 import hopsched
 from hopsched.clock import now_us
@@ -197,6 +200,15 @@ def celery_config(settings: hopsched.Settings, cleanup: Cleanup, runs: Path) -> 
 async def celery_app(
     settings: hopsched.Settings, relay: hopsched.Relay, cleanup: Cleanup, tmp_path: Path
 ) -> AsyncIterator[CeleryApp]:
+    """The app and its worker, with a relay in the test process."""
+    async with running_app(settings, cleanup, tmp_path) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def running_app(
+    settings: hopsched.Settings, cleanup: Cleanup, tmp_path: Path
+) -> AsyncIterator[CeleryApp]:
     config = celery_config(settings, cleanup, tmp_path / "runs.jsonl")
     app = make_app(config)
     worker = CeleryWorker(config)
@@ -341,3 +353,50 @@ async def test_a_task_whose_queue_is_gone_when_due_is_parked_with_a_reason(
     assert message.headers["id"] == sent.id, "Celery's headers travel with it"
     assert made.worker.of(sent.id) == []
     print(f"parked: {message.headers[HEADER_PARKED_REASON]}")
+
+
+@pytest.mark.slow
+async def test_a_relay_killed_under_1000_pending_tasks_loses_none(
+    settings: hopsched.Settings, cleanup: Cleanup, tmp_path: Path
+) -> None:
+    """1,000 tasks due over 5 s; the relay (``hopsched relay``) is SIGKILLed once they
+    start coming due and started again 1 s later. Celery has no de-duplication of its
+    own: duplicates are bounded as docs/guarantees.md says (the relay's publishes in
+    flight: at most 256 per busy lane, two lanes here)."""
+    relay = RelayProcess(settings)
+    await relay.start()
+    try:
+        async with running_app(settings, cleanup, tmp_path) as made:
+            base = datetime.now(UTC) + timedelta(seconds=6)
+            etas = [base + timedelta(seconds=5 * i / 1000) for i in range(1000)]
+
+            def send_all() -> list[str]:
+                with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                    results = pool.map(lambda eta: made.record.apply_async(("x",), eta=eta), etas)
+                    return [result.id for result in results]
+
+            ids = await asyncio.to_thread(send_all)
+            due_us = {task_id: _due_us(eta) for task_id, eta in zip(ids, etas, strict=True)}
+            await asyncio.sleep(max(0.0, (base - datetime.now(UTC)).total_seconds()) + 1.0)
+            await relay.kill()
+            await asyncio.sleep(1.0)
+            await relay.start()
+            await made.worker.wait_for(1000, within=60)
+            await asyncio.sleep(2.0)  # duplicates still on their way
+            runs = made.worker.runs()
+    finally:
+        if relay.returncode is None:
+            await relay.terminate(within=30)
+    counts = Counter(run.task_id for run in runs)
+    lost = set(ids) - set(counts)
+    duplicates = sum(count - 1 for count in counts.values())
+    early = [run.task_id for run in runs if run.at_us < due_us[run.task_id]]
+    print(
+        f"celery, relay SIGKILLed under 1,000 tasks: lost {len(lost)}, duplicates "
+        f"{duplicates}, early {len(early)}; "
+        + lateness_line(run.at_us - due_us[run.task_id] for run in runs)
+    )
+    assert not lost
+    assert not early
+    assert set(counts) == set(ids)
+    assert duplicates <= 2 * 256

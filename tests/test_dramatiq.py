@@ -10,6 +10,8 @@ run's marker and is deleted after the test.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +22,7 @@ import dramatiq
 import pytest
 from dramatiq.middleware import CurrentMessage, Retries
 from support import HEADER_PARKED_REASON, Cleanup, Targets, lateness_line, message_count, unique
+from test_faults import RelayProcess
 
 import hopsched
 from hopsched.clock import now_us
@@ -130,8 +133,17 @@ def make_broker(broker_url: str, settings: hopsched.Settings, cleanup: Cleanup) 
 async def setup(
     broker_url: str, settings: hopsched.Settings, relay: hopsched.Relay, cleanup: Cleanup
 ) -> AsyncIterator[Setup]:
+    """The broker and a worker, with a relay in the test process."""
+    async with running(broker_url, settings, cleanup) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def running(
+    broker_url: str, settings: hopsched.Settings, cleanup: Cleanup
+) -> AsyncIterator[Setup]:
     made = make_broker(broker_url, settings, cleanup)
-    worker = dramatiq.Worker(made.broker, queues={made.queue}, worker_threads=2, worker_timeout=100)
+    worker = dramatiq.Worker(made.broker, queues={made.queue}, worker_threads=4, worker_timeout=100)
     await asyncio.to_thread(worker.start)
     try:
         yield made
@@ -217,3 +229,55 @@ async def test_a_message_whose_queue_is_gone_when_due_is_parked_with_a_reason(
     assert message.headers[HEADER_PARKED_REASON]
     assert dramatiq.Message.decode(message.body).message_id == sent.message_id
     print(f"parked: {message.headers[HEADER_PARKED_REASON]}")
+
+
+@pytest.mark.slow
+async def test_a_relay_killed_under_1000_pending_messages_loses_none(
+    broker_url: str, settings: hopsched.Settings, cleanup: Cleanup, amqp: Any
+) -> None:
+    """1,000 messages due over 5 s; the relay (``hopsched relay``) is SIGKILLed once
+    they start coming due and started again 1 s later. Dramatiq has no de-duplication
+    of its own: duplicates are bounded as docs/guarantees.md says (at most 256 per
+    busy lane, two lanes here)."""
+    relay = RelayProcess(settings)
+    await relay.start()
+    try:
+        async with running(broker_url, settings, cleanup) as made:
+            start_ms = now_us() // 1000
+            delays = [6000 + 5 * i for i in range(1000)]  # ms from start_ms
+
+            def send_all() -> list[dramatiq.Message[Any]]:
+                def one(delay: int) -> dramatiq.Message[Any]:
+                    message: dramatiq.Message[Any] = made.record.send_with_options(
+                        args=("x",), delay=start_ms + delay - now_us() // 1000
+                    )
+                    return message
+
+                with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                    return list(pool.map(one, delays))
+
+            sent = await asyncio.to_thread(send_all)
+            due_us = {m.message_id: m.options["eta"] * 1000 for m in sent}
+            await asyncio.sleep(max(0.0, (start_ms + 6000) / 1000 - now_us() / 1e6) + 1.0)
+            await relay.kill()
+            await asyncio.sleep(1.0)
+            await relay.start()
+            await made.runs.wait_for(1000, within=60)
+            await asyncio.sleep(2.0)  # duplicates still on their way
+            runs = list(made.runs.runs)
+            assert await message_count(amqp, f"{made.queue}.DQ") == 0
+    finally:
+        if relay.returncode is None:
+            await relay.terminate(within=30)
+    counts = Counter(run.message_id for run in runs)
+    lost = set(due_us) - set(counts)
+    duplicates = sum(count - 1 for count in counts.values())
+    early = [run.message_id for run in runs if run.at_us < due_us[run.message_id]]
+    print(
+        f"dramatiq, relay SIGKILLed under 1,000 messages: lost {len(lost)}, duplicates "
+        f"{duplicates}, early {len(early)}; "
+        + lateness_line(run.at_us - due_us[run.message_id] for run in runs)
+    )
+    assert not lost
+    assert not early
+    assert duplicates <= 2 * 256
