@@ -344,7 +344,9 @@ async def test_a_task_whose_queue_is_gone_when_due_is_parked_with_a_reason(
     name = unique("celery-gone")  # a queue no worker consumes: Celery declares it on send
     cleanup.queues.add(name)
     cleanup.exchanges.add(name)
-    sent = await send(made.record, "orphan", countdown=1.0, queue=Queue(name, Exchange(name), name))
+    sent = await send(  # 3 s: time to delete its queue first, on a loaded machine too
+        made.record, "orphan", countdown=3.0, queue=Queue(name, Exchange(name), name)
+    )
     async with amqp.channel() as channel:  # the queue goes before the task is due
         await channel.queue_delete(name)
     (message,) = await parked.wait_for(1, within=WITHIN_S)

@@ -221,7 +221,7 @@ async def test_a_message_whose_queue_is_gone_when_due_is_parked_with_a_reason(
     setup: Setup, amqp: Any, targets: Targets, prefix: str
 ) -> None:
     parked = await targets.consume(f"{prefix}.parked")
-    sent = await send(setup.orphan, "orphan", delay=1000)
+    sent = await send(setup.orphan, "orphan", delay=3000)  # time to delete its queue, loaded
     async with amqp.channel() as channel:  # the queue goes before the message is due
         await channel.queue_delete(setup.unconsumed_queue)
     (message,) = await parked.wait_for(1, within=WITHIN_S)
