@@ -211,14 +211,16 @@ async def test_the_cli_cancels_and_reschedules(
 ) -> None:
     target = await targets.queue()
     schedule_id = f"order-{uuid.uuid4().hex[:8]}-timeout"
+    # Due in 12 s: each CLI call starts a Python process (seconds on a loaded machine);
+    # due in 3 s, it was delivered before the reschedule came (a flaky run).
     status, out, err = await hopsched_cli(
-        "schedule", "--in", "3s", "--routing-key", target.name, "--body", "x",
+        "schedule", "--in", "12s", "--routing-key", target.name, "--body", "x",
         "--schedule-id", schedule_id, settings=settings,
     )  # fmt: skip
     assert status == 0, err
     assert out.split()[1] == schedule_id
     status, out, err = await hopsched_cli(
-        "reschedule", schedule_id, "--in", "4s", settings=settings
+        "reschedule", schedule_id, "--in", "14s", settings=settings
     )
     assert status == 0, err
     assert out.startswith(f"rescheduled {schedule_id} due ")
