@@ -10,7 +10,8 @@ would bring it straight back, again and again (a hop storm); it waits until its 
 would have ended (at most ``WAIT_MAX_US``), then is routed anew. It checks the
 envelope's signature first (``hopsched.signing``) and parks a message whose target lies
 in hopsched's own namespace: the relay publishes into its own queues and stream only
-through its own code paths.
+through its own code paths. It parks a due time before 2001 (``hopsched.plausible``:
+seconds or milliseconds written where µs belong), which would be delivered at once.
 ``Decider.after_refusal`` answers a negative confirm on the final publish (a full
 target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
 once the refusals have lasted ``retry_for_us``.
@@ -32,6 +33,7 @@ from hopsched.cancel import CANCEL, LINEAGE, Cancellations, Record, lineage_gene
 from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK, Envelope
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.plausible import implausible_due
 from hopsched.recurring import Rule, plan_link
 from hopsched.signing import Refusal, Signatures
 from hopsched.targets import TargetPolicy
@@ -85,6 +87,7 @@ class ParkKind(StrEnum):
     UNSIGNED = "unsigned"  # no signature, and the relay requires one
     BAD_SIGNATURE = "bad_signature"  # its signature does not verify (forged, altered, unknown key)
     RETURNED_EARLY = "returned_early"  # a step kept returning it early, the relay was full
+    IMPLAUSIBLE_DUE = "implausible_due"  # its due time is before 2001: seconds or ms, not µs
 
 
 #: Parked kinds a relay notes in the cancel stream for ``hopsched status`` (a forgery,
@@ -263,6 +266,8 @@ class Decider:
                 verified = True
                 moved = dataclasses.replace(envelope, due_us=verdict)
                 envelope = self.signatures.resigned(moved, body)
+        if implausible := implausible_due(envelope.due_us):  # read as µs: delivered early
+            return Park(implausible, ParkKind.IMPLAUSIBLE_DUE)
         if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
             return Park(refusal, ParkKind.NOT_ALLOWED)
         if envelope.expiration is not None:

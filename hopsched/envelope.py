@@ -22,6 +22,7 @@ from typing import Any
 from hopsched.amqp.wire import Properties, Table
 from hopsched.clock import MAX_DUE_US
 from hopsched.errors import EnvelopeError
+from hopsched.plausible import unit_hint
 
 __all__ = [
     "BROKER_DEAD_LETTER_HEADERS",
@@ -290,7 +291,9 @@ class Envelope:
                 headers,
             )
         if envelope.due_us > MAX_DUE_US:  # it would hop on the top step for ever
-            raise EnvelopeError(f"header {HEADER_DUE!r} is after year 9999", headers)
+            looks = unit_hint(envelope.due_us)
+            hint = f": it looks like {looks}, it must be microseconds" if looks else ""
+            raise EnvelopeError(f"header {HEADER_DUE!r} is after year 9999{hint}", headers)
         if len(envelope.routing_key.encode()) > 255 or len(envelope.exchange.encode()) > 255:
             raise EnvelopeError("target exchange and routing key are limited to 255 bytes", headers)
         return envelope
