@@ -205,6 +205,7 @@ def _parse_in(_: click.Context, __: click.Parameter, value: str | None) -> Any:
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hopsched", prog_name="hopsched")
 @click.option(
     "-v",
     "--verbose",

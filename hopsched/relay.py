@@ -75,6 +75,7 @@ from hopsched.topology import (
     Topology,
     declare_topology,
 )
+from hopsched.version import __version__
 
 if TYPE_CHECKING:
     from hopsched.metrics import MetricsServer
@@ -399,9 +400,10 @@ class _Session:
         tag = await self._consume(channel, cancelled)
         relay._consuming.set()
         log.info(
-            "relay consuming %s on node %s (prefetch %d, %s ladder %s)",
+            "relay consuming %s on node %s (hopsched %s, prefetch %d, %s ladder %s)",
             topology.relay_queue,
             relay._connector.masked_url,
+            __version__,
             self.settings.prefetch,
             self.settings.queue_type,
             relay.ladder.description,

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hopsched
 from hopsched.cancel import CANCEL, RESCHEDULE, Cancellations, Record
 from hopsched.clock import MAX_DUE_US, us_to_datetime
 from hopsched.decide import (
@@ -28,6 +29,7 @@ from hopsched.envelope import (
     HEADER_CREATED,
     HEADER_DUE,
     HEADER_EXPIRATION,
+    HEADER_FEATURES,
     HEADER_HOP_CLOCK,
     HEADER_HOP_EXPIRES,
     HEADER_VERSION,
@@ -548,3 +550,34 @@ def test_F43_a_due_time_from_2001_to_9999_is_routed_never_early(due: int) -> Non
         assert decision.plan.step_ms * 1000 <= due - NOW
     else:
         assert decision.plan.wait_us == max(0, due - NOW)
+
+
+# --- features a relay must understand ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("named", "lacking"),
+    [
+        ("teleport", "teleport"),
+        ("recurring,teleport", "teleport"),
+        (" warp , teleport ,", "teleport, warp"),
+    ],
+)
+def test_an_envelope_naming_a_feature_this_relay_lacks_is_parked(named: str, lacking: str) -> None:
+    decision = decide(headers(**{HEADER_FEATURES: named}))
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "unsupported_feature"
+    assert decision.reason.startswith(
+        f"it needs feature(s) {lacking} (header 'x-hopsched-features'), which this relay "
+        f"(hopsched {hopsched.__version__}, features: recurring) lacks: upgrade the relay"
+    )
+
+
+@pytest.mark.parametrize("named", [None, "", "recurring"])
+def test_an_envelope_naming_only_known_features_or_none_is_routed(named: str | None) -> None:
+    values = headers()
+    if named is not None:
+        values[HEADER_FEATURES] = named
+
+    assert isinstance(decide(values), Route)

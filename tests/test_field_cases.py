@@ -34,6 +34,7 @@ from support import (
     broker_death_headers,
     get_all,
     message_count,
+    publish_raw,
     queue_arguments,
     rabbitmqctl_path,
     schedule_all,
@@ -650,30 +651,6 @@ async def test_F13(
 
 
 # F43 ------------------------------------------------------------------------------------
-
-
-async def publish_raw(
-    amqp: AMQP, settings: hopsched.Settings, schedule_id: str, due: int, target: str, **extra: Any
-) -> None:
-    """docs/envelope.md's raw producer recipe, headers written by hand (no hopsched code)."""
-    channel = await amqp.channel(publisher_confirms=True, on_return_raises=True)
-    async with channel:
-        message = aio_pika.Message(
-            schedule_id.encode(),
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            headers={
-                "x-hopsched-version": 1,
-                "x-hopsched-id": schedule_id,
-                "x-hopsched-due": due,
-                "x-hopsched-hops": 0,
-                "x-hopsched-exchange": "",
-                "x-hopsched-routing-key": target,
-                "x-hopsched-created": now_us(),
-                **extra,
-            },
-        )
-        expired = await channel.get_exchange(f"{settings.prefix}.expired", ensure=False)
-        await expired.publish(message, routing_key="expired", mandatory=True)
 
 
 async def test_F43(
