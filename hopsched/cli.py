@@ -18,6 +18,7 @@ import click
 from hopsched.arguments import parse_header
 from hopsched.cancel import RecordTally
 from hopsched.cancel_reader import tally_records
+from hopsched.cli_notes import interrupted_schedule
 from hopsched.clock import datetime_to_us, now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
@@ -36,7 +37,7 @@ from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowled
 from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.policies import PROTECT_PRIORITY
 from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
-from hopsched.prepare import due_time_us
+from hopsched.prepare import check_schedule_id, due_time_us
 from hopsched.recurring import CatchUp, Rule, plan_link
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
@@ -64,6 +65,9 @@ EXIT_UNKNOWN = 3
 #: Nothing of the prefix exists where the command needs it (a mistyped --prefix?):
 #: nothing was done (scheduled, cancelled, upgraded, removed).
 EXIT_NO_PREFIX = 4
+#: ``schedule`` interrupted (Ctrl-C) before the broker confirmed: it may or may not be
+#: scheduled (128 + SIGINT, as a shell reports a process Ctrl-C ended).
+EXIT_INTERRUPTED = 130
 #: ``schedule --at`` further in the past than this (µs) gets a warning.
 _PAST_WARNING_US = 60_000_000
 #: ``Context.meta`` key: ``main()`` has configured logging.
@@ -89,6 +93,10 @@ class _NoPrefix(_Failure):
 
 class _Unknown(_Failure):
     exit_code = EXIT_UNKNOWN
+
+
+class _Interrupted(_Failure):
+    exit_code = EXIT_INTERRUPTED
 
 
 class _JsonFailure(click.ClickException):
@@ -234,6 +242,8 @@ def main(verbose: int, log_format: str) -> None:
       4  nothing of the prefix exists where the command needs it (check
          --prefix): nothing was scheduled, cancelled, upgraded or removed;
          status: nothing of the prefix exists
+      130 schedule interrupted (Ctrl-C): it may or may not be scheduled; the
+         line says how to check
     """
     configure_logging(verbose, cast(LogFormat, log_format))
     click.get_current_context().meta[_LOGGING_SET] = True
@@ -488,6 +498,8 @@ def schedule(
     if refusal := settings.target_policy.refusal(exchange, routing_key):
         raise click.UsageError(refusal)
 
+    schedule_id = schedule_id or check_schedule_id(None)  # known, should Ctrl-C come
+
     async def go() -> None:
         async with Scheduler(settings, management_url=management_url) as scheduler:
             result = await scheduler.schedule(
@@ -507,7 +519,10 @@ def schedule(
             what = " (first occurrence, in the past: see the warning; recurring)"
         click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}{what}")
 
-    _run(go())
+    try:
+        _run(go())
+    except KeyboardInterrupt:
+        raise _Interrupted(interrupted_schedule(schedule_id)) from None
 
 
 @main.command()
