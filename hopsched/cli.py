@@ -18,7 +18,7 @@ import click
 from hopsched.arguments import parse_header
 from hopsched.cancel import RecordTally
 from hopsched.cancel_reader import tally_records
-from hopsched.cli_notes import interrupted_schedule
+from hopsched.cli_notes import interrupted_schedule, other_pending
 from hopsched.clock import datetime_to_us, now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
@@ -498,7 +498,7 @@ def schedule(
     if refusal := settings.target_policy.refusal(exchange, routing_key):
         raise click.UsageError(refusal)
 
-    schedule_id = schedule_id or check_schedule_id(None)  # known, should Ctrl-C come
+    given_id, schedule_id = schedule_id, schedule_id or check_schedule_id(None)  # for Ctrl-C
 
     async def go() -> None:
         async with Scheduler(settings, management_url=management_url) as scheduler:
@@ -513,6 +513,8 @@ def schedule(
                 replace=replace,
                 **recurring,
             )
+            if given_id and not replace and (warning := await other_pending(scheduler, given_id)):
+                logging.getLogger("hopsched.cli").warning("%s", warning)
         done = "scheduled (replacing any before)" if replace else "scheduled"
         what = "" if rule is None else " (first occurrence; recurring)"
         if past_start:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -320,3 +321,35 @@ async def test_ctrl_c_during_the_publish_says_it_may_be_scheduled_and_how_to_che
     topology = hopsched.Topology.from_settings(settings)
     counts = [await message_count(amqp, queue) for queue in topology.step_queues]
     assert sum(counts) == 1
+
+
+async def test_the_same_schedule_id_twice_without_replace_is_scheduled_with_a_warning(
+    settings: hopsched.Settings,
+) -> None:
+    await declare_topology(settings)
+    schedule_id = f"order-{uuid.uuid4().hex}"
+
+    async def schedule(*extra: str) -> str:
+        status, out, err = await hopsched_cli(
+            *("schedule", "--in", "1h", "--routing-key", "q", "--schedule-id", schedule_id),
+            *extra,
+            settings=settings,
+        )
+        assert status == 0, err
+        assert out.startswith(f"scheduled {schedule_id} due ") or out.startswith(
+            f"scheduled (replacing any before) {schedule_id} due "
+        ), out
+        return err
+
+    assert "pending" not in await schedule()
+    warned = await schedule()
+    assert (
+        f"{schedule_id} now has 2 messages pending: it was scheduled before, and --replace "
+        "was not given, so each is delivered at its own due time. To keep only this one, "
+        f"schedule it again with --replace; to cancel them all: hopsched cancel {schedule_id}"
+    ) in warned
+    assert " WARNING " in warned
+    assert "pending" not in await schedule("--replace")  # the others cancelled, no read
+    status, out, err = await hopsched_cli("get", schedule_id, "--json", settings=settings)
+    assert status == 0, err
+    assert json.loads(out)["pending_copies"] == 1
