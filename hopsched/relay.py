@@ -62,6 +62,7 @@ from hopsched.journal import (
 )
 from hopsched.journal_io import JournalWriter
 from hopsched.ladder import US_PER_MS, AvoidedSteps, Hold, Hop
+from hopsched.new_prefix import new_prefix_warning
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
@@ -445,7 +446,10 @@ class _Session:
 
     async def _start(self) -> tuple[amqp.Channel, asyncio.Future[Any]]:
         """Declare the topology, follow the cancel stream, open the consuming channel."""
+        new = await self._missing(self.topology.relay_queue)
         await self._declare()
+        if new:
+            log.warning("%s", new_prefix_warning(self.topology, self.settings.masked_url))
         try:
             lost_stream = await self.relay.cancel_reader.follow(
                 self.connection, self.publisher, self._record_read
