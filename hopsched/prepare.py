@@ -152,7 +152,7 @@ def check_due(due_us: int, what: str) -> int:
     if due_us < EARLIEST_DUE_US:
         raise InvalidScheduleError(
             f"{what} is before 2001-01-01: a relay parks so early a due time as a unit "
-            "mistake (implausible_due); for at once, pass delay=0"
+            "mistake (implausible_due); for at once, pass delay=0 (CLI: --in 0)"
         )
     return due_us
 

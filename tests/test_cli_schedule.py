@@ -353,3 +353,17 @@ async def test_the_same_schedule_id_twice_without_replace_is_scheduled_with_a_wa
     status, out, err = await hopsched_cli("get", schedule_id, "--json", settings=settings)
     assert status == 0, err
     assert json.loads(out)["pending_copies"] == 1
+
+
+async def test_F43_an_at_before_2001_is_refused_naming_the_fix(settings: hopsched.Settings) -> None:
+    await declare_topology(settings)
+
+    status, out, err = await hopsched_cli(
+        "schedule", "--at", "2000-12-31T23:00:00Z", "--routing-key", "q", settings=settings
+    )
+
+    assert (status, out) == (2, "")
+    assert (
+        "Error: at=2000-12-31T23:00:00+00:00 is before 2001-01-01: a relay parks so early a "
+        "due time as a unit mistake (implausible_due); for at once, pass delay=0 (CLI: --in 0)"
+    ) in err

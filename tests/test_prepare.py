@@ -170,7 +170,7 @@ def test_F43_a_due_time_before_2001_is_refused_as_the_relay_would_park_it(at: da
 
     assert str(refused.value) == (
         f"at={at.isoformat()} is before 2001-01-01: a relay parks so early a due time as a "
-        "unit mistake (implausible_due); for at once, pass delay=0"
+        "unit mistake (implausible_due); for at once, pass delay=0 (CLI: --in 0)"
     )
 
 
