@@ -211,14 +211,15 @@ async def test_the_cli_cancels_and_reschedules(
 ) -> None:
     target = await targets.queue()
     schedule_id = f"order-{uuid.uuid4().hex[:8]}-timeout"
+    # 6 s: time for two CLI runs, each reading the journal, on a loaded machine
     status, out, err = await hopsched_cli(
-        "schedule", "--in", "3s", "--routing-key", target.name, "--body", "x",
+        "schedule", "--in", "6s", "--routing-key", target.name, "--body", "x",
         "--schedule-id", schedule_id, settings=settings,
     )  # fmt: skip
     assert status == 0, err
     assert out.split()[1] == schedule_id
     status, out, err = await hopsched_cli(
-        "reschedule", schedule_id, "--in", "4s", settings=settings
+        "reschedule", schedule_id, "--in", "7s", settings=settings
     )
     assert status == 0, err
     assert out.startswith(f"rescheduled {schedule_id} due ")
