@@ -36,6 +36,7 @@ from hopsched.settings import Settings, mask_url
 from hopsched.signing import SigningKey
 from hopsched.stats import RelayStats
 from hopsched.topology import Topology
+from hopsched.version import __version__
 
 __all__ = [
     "AccessRefusedError",
@@ -72,5 +73,6 @@ __all__ = [
     "TopologyMismatchError",
     "Unroutable",
     "UnroutableTargetError",
+    "__version__",
     "mask_url",
 ]

@@ -18,6 +18,7 @@ import click
 from hopsched.arguments import parse_header
 from hopsched.cancel import RecordTally
 from hopsched.cancel_reader import tally_records
+from hopsched.cli_notes import interrupted_schedule, other_pending
 from hopsched.clock import datetime_to_us, now_us, us_to_datetime
 from hopsched.connect import connect
 from hopsched.demo import run_demo_or_local
@@ -43,7 +44,7 @@ from hopsched.nodes import RelayNodes, management_urls, relay_nodes, unacknowled
 from hopsched.parked import ParkedListing, list_parked, replay_parked
 from hopsched.policies import PROTECT_PRIORITY
 from hopsched.policy_watch import PolicyCheck, check_policies, protect, unprotect
-from hopsched.prepare import due_time_us
+from hopsched.prepare import check_schedule_id, due_time_us
 from hopsched.recurring import CatchUp, Rule, plan_link
 from hopsched.relay import Relay
 from hopsched.scheduler import Cancelled, Scheduled, Scheduler
@@ -71,6 +72,9 @@ EXIT_UNKNOWN = 3
 #: Nothing of the prefix exists where the command needs it (a mistyped --prefix?):
 #: nothing was done (scheduled, cancelled, upgraded, removed).
 EXIT_NO_PREFIX = 4
+#: ``schedule`` interrupted (Ctrl-C) before the broker confirmed: it may or may not be
+#: scheduled (128 + SIGINT, as a shell reports a process Ctrl-C ended).
+EXIT_INTERRUPTED = 130
 #: ``schedule --at`` further in the past than this (µs) gets a warning.
 _PAST_WARNING_US = 60_000_000
 #: ``Context.meta`` key: ``main()`` has configured logging.
@@ -96,6 +100,10 @@ class _NoPrefix(_Failure):
 
 class _Unknown(_Failure):
     exit_code = EXIT_UNKNOWN
+
+
+class _Interrupted(_Failure):
+    exit_code = EXIT_INTERRUPTED
 
 
 class _JsonFailure(click.ClickException):
@@ -212,6 +220,7 @@ def _parse_in(_: click.Context, __: click.Parameter, value: str | None) -> Any:
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hopsched", prog_name="hopsched")
 @click.option(
     "-v",
     "--verbose",
@@ -240,6 +249,8 @@ def main(verbose: int, log_format: str) -> None:
       4  nothing of the prefix exists where the command needs it (check
          --prefix): nothing was scheduled, cancelled, upgraded or removed;
          status: nothing of the prefix exists
+      130 schedule interrupted (Ctrl-C): it may or may not be scheduled; the
+         line says how to check
     """
     configure_logging(verbose, cast(LogFormat, log_format))
     click.get_current_context().meta[_LOGGING_SET] = True
@@ -494,6 +505,8 @@ def schedule(
     if refusal := settings.target_policy.refusal(exchange, routing_key):
         raise click.UsageError(refusal)
 
+    given_id, schedule_id = schedule_id, schedule_id or check_schedule_id(None)  # for Ctrl-C
+
     async def go() -> None:
         async with Scheduler(settings, management_url=management_url) as scheduler:
             result = await scheduler.schedule(
@@ -507,13 +520,18 @@ def schedule(
                 replace=replace,
                 **recurring,
             )
+            if given_id and not replace and (warning := await other_pending(scheduler, given_id)):
+                logging.getLogger("hopsched.cli").warning("%s", warning)
         done = "scheduled (replacing any before)" if replace else "scheduled"
         what = "" if rule is None else " (first occurrence; recurring)"
         if past_start:
             what = " (first occurrence, in the past: see the warning; recurring)"
         click.echo(f"{done} {result.schedule_id} due {result.due.isoformat()}{what}")
 
-    _run(go())
+    try:
+        _run(go())
+    except KeyboardInterrupt:
+        raise _Interrupted(interrupted_schedule(schedule_id)) from None
 
 
 @main.command()

@@ -10,7 +10,10 @@ would bring it straight back, again and again (a hop storm); it waits until its 
 would have ended (at most ``WAIT_MAX_US``), then is routed anew. It checks the
 envelope's signature first (``hopsched.signing``) and parks a message whose target lies
 in hopsched's own namespace: the relay publishes into its own queues and stream only
-through its own code paths.
+through its own code paths. It parks an envelope naming a feature this version does
+not know (``x-hopsched-features``: a newer scheduler wrote it), and a due time before
+2001 (``hopsched.plausible``: seconds or milliseconds written where µs belong), which
+would be delivered at once.
 ``Decider.after_refusal`` answers a negative confirm on the final publish (a full
 target with ``x-overflow=reject-publish``) with a back-off hop, or parks the message
 once the refusals have lasted ``retry_for_us``.
@@ -29,13 +32,22 @@ from enum import StrEnum
 from typing import Any
 
 from hopsched.cancel import CANCEL, LINEAGE, Cancellations, Record, lineage_generation
-from hopsched.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK, Envelope
+from hopsched.envelope import (
+    FEATURES,
+    HEADER_FEATURES,
+    HEADER_HOP_CLOCK,
+    HEADER_HOP_EXPIRES,
+    RELAY_CLOCK,
+    Envelope,
+)
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.plausible import implausible_due
 from hopsched.recurring import Rule, plan_link
 from hopsched.signing import Refusal, Signatures
 from hopsched.targets import TargetPolicy
 from hopsched.validate import check_expiration
+from hopsched.version import __version__
 
 __all__ = [
     "EARLY_TOLERANCE_US",
@@ -52,6 +64,7 @@ __all__ = [
     "Route",
     "Wait",
     "returned_early",
+    "unsupported",
 ]
 
 #: The first wait before a refused final publish is tried again, ms; it doubles with
@@ -85,6 +98,8 @@ class ParkKind(StrEnum):
     UNSIGNED = "unsigned"  # no signature, and the relay requires one
     BAD_SIGNATURE = "bad_signature"  # its signature does not verify (forged, altered, unknown key)
     RETURNED_EARLY = "returned_early"  # a step kept returning it early, the relay was full
+    IMPLAUSIBLE_DUE = "implausible_due"  # its due time is before 2001: seconds or ms, not µs
+    UNSUPPORTED_FEATURE = "unsupported_feature"  # it needs a feature this relay lacks
 
 
 #: Parked kinds a relay notes in the cancel stream for ``hopsched status`` (a forgery,
@@ -144,6 +159,21 @@ class Linked:
     catch_up: str = "latest"
     skipped: int = 0
     ended_by: str | None = None
+
+
+def unsupported(envelope: Envelope) -> str | None:
+    """Why this relay cannot handle ``envelope``: the features its ``x-hopsched-features``
+    names that this version does not know (a newer scheduler wrote it); None if it knows
+    them all."""
+    lacking = sorted(envelope.required_features - FEATURES)
+    if not lacking:
+        return None
+    return (
+        f"it needs feature(s) {', '.join(lacking)} (header {HEADER_FEATURES!r}), which this "
+        f"relay (hopsched {__version__}, features: {', '.join(sorted(FEATURES))}) lacks: "
+        "upgrade the relay (every relay of the prefix) to the version that scheduled it, "
+        "then replay it"
+    )
 
 
 def returned_early(headers: Mapping[str, Any], now_us: int) -> tuple[str, str, int] | None:
@@ -232,6 +262,8 @@ class Decider:
             envelope = Envelope.from_headers(headers)
         except EnvelopeError as error:
             return Park(f"malformed envelope: {error.reason}", ParkKind.MALFORMED)
+        if lacking := unsupported(envelope):
+            return Park(lacking, ParkKind.UNSUPPORTED_FEATURE)
         # A hop only moves a message along hopsched's own ladder: the MAC is checked
         # before the relay acts on the content (holds it for delivery, signs it anew),
         # the rest of the signature (present if required, of a key held) at every visit.
@@ -263,6 +295,8 @@ class Decider:
                 verified = True
                 moved = dataclasses.replace(envelope, due_us=verdict)
                 envelope = self.signatures.resigned(moved, body)
+        if implausible := implausible_due(envelope.due_us):  # read as µs: delivered early
+            return Park(implausible, ParkKind.IMPLAUSIBLE_DUE)
         if refusal := self.targets.refusal(envelope.exchange, envelope.routing_key):
             return Park(refusal, ParkKind.NOT_ALLOWED)
         if envelope.expiration is not None:
@@ -369,7 +403,7 @@ class Decider:
             envelope = Envelope.from_headers(headers)
         except EnvelopeError:
             return None
-        if envelope.rule is None:
+        if envelope.rule is None or unsupported(envelope):
             return None
         checked = self.signatures.check_envelope(envelope, body)
         if isinstance(checked, Refusal):

@@ -28,7 +28,7 @@ from hopsched.relay import Relay
 from hopsched.scheduler import Scheduler
 from hopsched.settings import Settings
 from hopsched.stats import LatenessStats
-from hopsched.topology import Topology
+from hopsched.topology import Topology, declare_topology
 
 __all__ = [
     "GET_A_BROKER",
@@ -226,7 +226,13 @@ async def run_demo(
     connection = await connect(settings, name="hopsched-demo")
     ours = not await _queue_exists(connection, topology.relay_queue)
     relay = Relay(settings)
-    relay_task = asyncio.create_task(relay.run())
+
+    async def run_relay() -> None:
+        if ours:  # declared on purpose: no mistyped prefix for the relay to warn of
+            await declare_topology(settings)
+        await relay.run()
+
+    relay_task = asyncio.create_task(run_relay())
     consuming = asyncio.create_task(relay.wait_consuming())
     try:
         await asyncio.wait({relay_task, consuming}, return_when=asyncio.FIRST_COMPLETED)

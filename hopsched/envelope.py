@@ -15,23 +15,27 @@ by minutes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from hopsched.amqp.wire import Properties, Table
 from hopsched.clock import MAX_DUE_US
 from hopsched.errors import EnvelopeError
+from hopsched.plausible import unit_hint
 
 __all__ = [
     "BROKER_DEAD_LETTER_HEADERS",
     "BROKER_DELIVERY_COUNT_HEADER",
     "ENVELOPE_VERSION",
+    "FEATURES",
+    "FEATURE_RECURRING",
     "HEADER_CREATED",
     "HEADER_DELIVERY_MODE",
     "HEADER_DUE",
     "HEADER_EXCHANGE",
     "HEADER_EXPIRATION",
+    "HEADER_FEATURES",
     "HEADER_HOPS",
     "HEADER_HOP_CLOCK",
     "HEADER_HOP_EXPIRES",
@@ -118,6 +122,15 @@ HEADER_KEY = "x-hopsched-key"
 #: A recurring chain's lineage, set by a relay that claimed one (``hopsched.cancel.LINEAGE``)
 #: for an occurrence delivered to it again; absent on the first lineage. Never delivered.
 HEADER_LINEAGE = "x-hopsched-lineage"
+#: The features a relay must understand to handle the message, beyond a one-shot
+#: delivery: comma-separated names (``recurring``); absent when it needs none. A relay
+#: parks a message naming one it does not know (``Decider.decide``): an older relay never
+#: mishandles what a newer scheduler wrote.
+HEADER_FEATURES = "x-hopsched-features"
+#: A recurring schedule's occurrence (``x-hopsched-rule``, ``-occurrence``, ``-lineage``).
+FEATURE_RECURRING = "recurring"
+#: Every feature this version's relay understands.
+FEATURES = frozenset({FEATURE_RECURRING})
 #: ``KEY-ID:HEX-MAC``: the envelope's HMAC-SHA256 and the id of the key that made it
 #: (``hopsched.signing``); absent when the producer holds no signing key.
 HEADER_SIGNATURE = "x-hopsched-signature"
@@ -159,6 +172,7 @@ _ROUTING_HEADERS = frozenset(
         HEADER_SIGNATURE,
         HEADER_RULE,
         HEADER_LINEAGE,
+        HEADER_FEATURES,
     }
 )
 _PARKED_HEADERS = frozenset(
@@ -191,6 +205,8 @@ class Envelope:
         occurrence: a recurring schedule's occurrences delivered counting this one
             (1-based); 0 for a one-shot message.
         lineage: a recurring chain's lineage (``HEADER_LINEAGE``); None for the first.
+        features: feature names its ``x-hopsched-features`` lists beyond those its own
+            fields imply (``required_features``), e.g. one a newer scheduler wrote.
     """
 
     schedule_id: str
@@ -207,6 +223,14 @@ class Envelope:
     rule: str | None = None
     occurrence: int = 0
     lineage: str | None = None
+    features: frozenset[str] = frozenset()
+
+    @property
+    def required_features(self) -> frozenset[str]:
+        """The features a relay must understand to handle it (``HEADER_FEATURES``):
+        ``features``, plus ``recurring`` for a rule."""
+        implied = {FEATURE_RECURRING} if self.rule is not None else set()
+        return self.features | implied
 
     @property
     def owner(self) -> str | None:
@@ -245,6 +269,8 @@ class Envelope:
             headers[HEADER_OCCURRENCE] = self.occurrence
         if self.lineage is not None:
             headers[HEADER_LINEAGE] = self.lineage
+        if features := self.required_features:
+            headers[HEADER_FEATURES] = ",".join(sorted(features))
         return headers
 
     @classmethod
@@ -283,6 +309,8 @@ class Envelope:
             occurrence=field(HEADER_OCCURRENCE, int, required=False) or 0,
             lineage=field(HEADER_LINEAGE, str, required=False),
         )
+        if named := _feature_names(field(HEADER_FEATURES, str, required=False)):
+            envelope = replace(envelope, features=named - envelope.required_features)
         if min(envelope.due_us, envelope.hops, envelope.retries, envelope.occurrence) < 0:
             raise EnvelopeError(
                 f"headers {HEADER_DUE!r}, {HEADER_HOPS!r}, {HEADER_RETRIES!r} and "
@@ -290,10 +318,18 @@ class Envelope:
                 headers,
             )
         if envelope.due_us > MAX_DUE_US:  # it would hop on the top step for ever
-            raise EnvelopeError(f"header {HEADER_DUE!r} is after year 9999", headers)
+            looks = unit_hint(envelope.due_us)
+            hint = f": it looks like {looks}, it must be microseconds" if looks else ""
+            raise EnvelopeError(f"header {HEADER_DUE!r} is after year 9999{hint}", headers)
         if len(envelope.routing_key.encode()) > 255 or len(envelope.exchange.encode()) > 255:
             raise EnvelopeError("target exchange and routing key are limited to 255 bytes", headers)
         return envelope
+
+
+def _feature_names(value: str | None) -> frozenset[str]:
+    """The names in an ``x-hopsched-features`` value (``"recurring, x"``: commas, spaces
+    around a name ignored)."""
+    return frozenset(name.strip() for name in (value or "").split(",") if name.strip())
 
 
 def dead_lettered_us(headers: Mapping[str, Any]) -> int | None:

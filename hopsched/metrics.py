@@ -28,13 +28,16 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from hopsched.envelope import FEATURES
 from hopsched.errors import MetricsEndpointError
 from hopsched.stats import BUCKET_BOUNDS_US, RelayStats, StatsSnapshot
+from hopsched.version import __version__
 
 __all__ = ["SNAPSHOT_TIMEOUT_S", "MetricsServer", "RelayCollector", "serve_metrics"]
 
@@ -157,6 +160,12 @@ class RelayCollector(Collector):
         self._loop = loop
 
     def collect(self) -> Iterator[Metric]:
+        yield InfoMetricFamily(
+            "hopsched_build",
+            "The relay's hopsched version and the envelope features it understands "
+            "(comma-separated, x-hopsched-features).",
+            value={"version": __version__, "features": ",".join(sorted(FEATURES))},
+        )
         snapshot = self._snapshot()
         for name, key, documentation in _COUNTERS:
             yield CounterMetricFamily(name, documentation, value=snapshot.counters[key])

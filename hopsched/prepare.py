@@ -25,10 +25,11 @@ from pamqp.commands import Basic
 
 from hopsched import amqp
 from hopsched.amqp.wire import FRAME_OVERHEAD
-from hopsched.clock import MAX_DUE_US, datetime_to_us, timedelta_to_us
+from hopsched.clock import MAX_DUE_US, datetime_to_us, timedelta_to_us, us_to_datetime
 from hopsched.envelope import PERSISTENT, Envelope, callers_headers, first_hop_properties
 from hopsched.errors import EnvelopeError, InvalidScheduleError
 from hopsched.ladder import US_PER_MS, Hold, Hop, Ladder
+from hopsched.plausible import EARLIEST_DUE_US
 from hopsched.recurring import Rule
 from hopsched.targets import TargetPolicy
 from hopsched.topology import DEAD_LETTER_ROUTING_KEY, Topology
@@ -40,6 +41,7 @@ __all__ = [
     "SHORT_STRINGS",
     "Checked",
     "ScheduleRequest",
+    "check_due",
     "check_known_id",
     "check_properties",
     "check_request",
@@ -134,9 +136,25 @@ def due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) 
         raise InvalidScheduleError(
             f"the due time is after year 9999 ({delay if at is None else at}): use a shorter delay"
         )
-    # Before 1970 is long past due, like a negative delay: due at the epoch, delivered at
-    # once (the envelope carries no negative due time).
+    # Before 1970 is long past due: due at the epoch (the envelope carries no negative due
+    # time); ``check_due`` refuses it for a schedule.
     return max(due_us, 0)
+
+
+def check_due(due_us: int, what: str) -> int:
+    """``due_us`` (µs since the epoch) if a relay will take it as meant: on or after
+    2001-01-01 (``hopsched.plausible``). ``what`` names the argument it came from
+    (``"at=2000-01-01T00:00:00+00:00"``).
+
+    Raises:
+        InvalidScheduleError: it is earlier: a relay would park it (``implausible_due``).
+    """
+    if due_us < EARLIEST_DUE_US:
+        raise InvalidScheduleError(
+            f"{what} is before 2001-01-01: a relay parks so early a due time as a unit "
+            "mistake (implausible_due); for at once, pass delay=0 (CLI: --in 0)"
+        )
+    return due_us
 
 
 def _due_time_us(at: datetime | None, delay: timedelta | float | None, now: int) -> int:
@@ -208,6 +226,8 @@ def check_request(
     rule = request.rule
     if rule is None:
         due_us = due_time_us(request.at, request.delay, now_us)
+        at = request.at
+        check_due(due_us, "the due time" if at is None else f"at={at.isoformat()}")
     elif request.at is not None or request.delay is not None:
         raise InvalidScheduleError(
             "a recurring schedule (every= or cron=) takes start= for its first occurrence, "
@@ -216,7 +236,7 @@ def check_request(
     else:
         first = rule.first_us()
         assert first is not None  # Rule.make refuses a rule without one
-        due_us = first
+        due_us = check_due(first, f"the first occurrence ({us_to_datetime(first).isoformat()})")
     exchange, routing_key = request.exchange, request.routing_key
     _check_target(exchange, routing_key, targets)
     schedule_id = check_schedule_id(request.schedule_id)

@@ -64,6 +64,7 @@ from hopsched.journal import (
 )
 from hopsched.journal_io import JournalWriter
 from hopsched.ladder import US_PER_MS, AvoidedSteps, Hold, Hop
+from hopsched.new_prefix import new_prefix_warning
 from hopsched.overshoot import OvershootTracker
 from hopsched.policy_watch import PolicyWatch
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
@@ -77,6 +78,7 @@ from hopsched.topology import (
     Topology,
     declare_topology,
 )
+from hopsched.version import __version__
 
 if TYPE_CHECKING:
     from hopsched.metrics import MetricsServer
@@ -401,9 +403,10 @@ class _Session:
         tags = await self._consume(channel, cancelled)
         relay._consuming.set()
         log.info(
-            "relay consuming %s on node %s (prefetch %d, %s ladder %s)",
+            "relay consuming %s on node %s (hopsched %s, prefetch %d, %s ladder %s)",
             topology.relay_queue,
             relay._connector.masked_url,
+            __version__,
             self.settings.prefetch,
             self.settings.queue_type,
             relay.ladder.description,
@@ -448,7 +451,10 @@ class _Session:
 
     async def _start(self) -> tuple[amqp.Channel, asyncio.Future[Any]]:
         """Declare the topology, follow the cancel stream, open the consuming channel."""
+        new = await self._missing(self.topology.relay_queue)
         await self._declare()
+        if new:
+            log.warning("%s", new_prefix_warning(self.topology, self.settings.masked_url))
         try:
             lost_stream = await self.relay.cancel_reader.follow(
                 self.connection, self.publisher, self._record_read

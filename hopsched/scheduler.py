@@ -58,6 +58,7 @@ from hopsched.policy_watch import warn_on_risk
 from hopsched.prepare import (
     Checked,
     ScheduleRequest,
+    check_due,
     check_known_id,
     check_request,
     copy_envelope,
@@ -737,7 +738,7 @@ class Scheduler:
         """
         now = self._clock()
         schedule_id, _ = self._identify(schedule, None)
-        due_us = due_time_us(at, delay, now)
+        due_us = check_due(due_time_us(at, delay, now), "the new due time")
         info = await self._info(schedule_id, copies=True)
         if info is None or info.state not in (PENDING, HELD):
             return None

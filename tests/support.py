@@ -231,6 +231,37 @@ async def wait_until_count(
     return current
 
 
+async def publish_raw(
+    connection: aio_pika.abc.AbstractConnection,
+    settings: hopsched.Settings,
+    schedule_id: str,
+    due: Any,
+    target: str,
+    **extra: Any,
+) -> None:
+    """docs/envelope.md's raw producer recipe, the headers written by hand (no hopsched
+    code): ``schedule_id`` due at ``due`` (meant as µs since the epoch) for the queue
+    ``target``; ``extra`` adds or replaces headers."""
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    async with channel:
+        message = aio_pika.Message(
+            schedule_id.encode(),
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            headers={
+                "x-hopsched-version": 1,
+                "x-hopsched-id": schedule_id,
+                "x-hopsched-due": due,
+                "x-hopsched-hops": 0,
+                "x-hopsched-exchange": "",
+                "x-hopsched-routing-key": target,
+                "x-hopsched-created": now_us(),
+                **extra,
+            },
+        )
+        expired = await channel.get_exchange(f"{settings.prefix}.expired", ensure=False)
+        await expired.publish(message, routing_key="expired", mandatory=True)
+
+
 def broker_version(connection: aio_pika.abc.AbstractConnection) -> tuple[int, ...]:
     """The RabbitMQ version a connection's broker gave in ``connection.start``, e.g.
     ``(4, 0, 5)``."""

@@ -212,7 +212,8 @@ async def test_the_cli_cancels_and_reschedules(
     target = await targets.queue()
     schedule_id = f"order-{uuid.uuid4().hex[:8]}-timeout"
     # Due in 12 s: each CLI call starts a Python process (seconds on a loaded machine);
-    # due in 3 s, it was delivered before the reschedule came (a flaky run).
+    # due in 3 s, it was delivered before the reschedule came (a flaky run), and the
+    # schedule reads the journal for a duplicate id.
     status, out, err = await hopsched_cli(
         "schedule", "--in", "12s", "--routing-key", target.name, "--body", "x",
         "--schedule-id", schedule_id, settings=settings,

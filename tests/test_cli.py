@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -197,6 +198,16 @@ async def test_an_out_of_range_due_time_is_refused_before_connecting(
         await channel.declare_queue(settings.prefix + ".relay", passive=True)
 
 
+async def test_version_is_the_installed_packages() -> None:
+    status, out, err = await hopsched_cli("--version")
+
+    assert (status, err) == (0, "")
+    assert out == f"hopsched, version {importlib.metadata.version('hopsched')}\n"
+    assert hopsched.__version__ == importlib.metadata.version("hopsched")
+    major, minor, *_ = (int(part) for part in hopsched.__version__.split("."))
+    assert (major, minor) >= (0, 2)
+
+
 @pytest.mark.parametrize("log_format", ["text", "json"])
 async def test_relay_exits_0_on_sigterm(settings: hopsched.Settings, log_format: str) -> None:
     env = dict(os.environ) | {"HOPSCHED_URL": settings.url, "HOPSCHED_PREFIX": settings.prefix}
@@ -214,6 +225,7 @@ async def test_relay_exits_0_on_sigterm(settings: hopsched.Settings, log_format:
     rest = await asyncio.wait_for(process.stderr.read(), 15)
 
     assert await process.wait() == 0
+    assert f"(hopsched {hopsched.__version__}, prefetch".encode() in line
     assert b"relay stopped" in rest
     if log_format == "json":
         records = [json.loads(line) for line in [*lines, line, *rest.splitlines()]]

@@ -4,15 +4,24 @@ and ``permissions`` with an empty user or vhost."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import os
 import re
+import signal
+import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+import aio_pika
 import pytest
 from broker import PrivateBroker
-from support import Relays, Targets, hopsched_cli
+from support import BROKER_URL, Relays, Targets, hopsched_cli, message_count, settings_env
 
 import hopsched
 from hopsched.clock import datetime_to_us, now_us
@@ -216,3 +225,145 @@ async def test_a_reschedule_more_than_a_minute_past_is_said(settings: hopsched.S
 
     assert status == 4, err  # the prefix was never declared: nothing changed, but said first
     assert re.search(r"--at \S+ is 0:05:0\d in the past: it is due now", err), err
+
+
+# --- Ctrl-C while the publish is in flight ----------------------------------------------
+
+
+class ConfirmWithholdingProxy:
+    """A TCP proxy to the broker that, once a client has sent ``marker`` (a message body),
+    passes nothing more from the broker to any client: the publish reached the broker,
+    its confirm never comes back."""
+
+    def __init__(self, broker_url: str, marker: bytes) -> None:
+        parts = urlsplit(broker_url)
+        self.broker = (parts.hostname or "127.0.0.1", parts.port or 5672)
+        self.marker = marker
+        self.withholding = asyncio.Event()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> str:
+        """Listen; the URL to give the client (the broker's, through the proxy)."""
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        parts = urlsplit(BROKER_URL)
+        netloc = parts.netloc.rpartition("@")[0] + f"@127.0.0.1:{port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    async def __aexit__(self, *_: object) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        broker_reader, broker_writer = await asyncio.open_connection(*self.broker)
+        for pump in (self._up(reader, broker_writer), self._down(broker_reader, writer)):
+            task = asyncio.create_task(pump)
+            self.tasks.add(task)
+
+    async def _up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen = b""
+        with contextlib.closing(writer):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+                seen = seen[-len(self.marker) :] + data
+                if self.marker in seen:
+                    self.withholding.set()
+
+    async def _down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.closing(writer):
+            while data := await reader.read(65536):
+                if self.withholding.is_set():
+                    await asyncio.Event().wait()  # never: the client waits for its confirm
+                writer.write(data)
+                await writer.drain()
+
+
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+async def test_ctrl_c_during_the_publish_says_it_may_be_scheduled_and_how_to_check(
+    settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    await declare_topology(settings)
+    body = f"interrupt-me-{uuid.uuid4().hex}".encode()
+    proxy = ConfirmWithholdingProxy(BROKER_URL, body)
+    async with proxy as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "hopsched", "schedule", "--in", "1h"),
+            *("--routing-key", "q", "--body", body.decode()),
+            env=dict(os.environ) | settings_env(settings) | {"HOPSCHED_URL": url},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_sigint_as_in_a_terminal,  # as a terminal's Ctrl-C finds it
+        )
+        await asyncio.wait_for(proxy.withholding.wait(), 30)  # published, unconfirmed
+        await asyncio.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 15)
+
+    assert process.returncode == 130, err.decode()
+    assert out == b""
+    lines = err.decode().splitlines()
+    assert len(lines) == 1, lines
+    found = re.fullmatch(
+        r"Error: interrupted: schedule ([0-9a-f]{32}) may or may not have been scheduled; check "
+        r"with: hopsched get \1 \(unknown to it, it may still be on its way: to have it "
+        r"once, schedule it again with --schedule-id \1 --replace\)",
+        lines[0],
+    )
+    assert found, lines[0]
+    # It was: the broker has the message in a step queue (no relay serves the prefix).
+    topology = hopsched.Topology.from_settings(settings)
+    counts = [await message_count(amqp, queue) for queue in topology.step_queues]
+    assert sum(counts) == 1
+
+
+async def test_the_same_schedule_id_twice_without_replace_is_scheduled_with_a_warning(
+    settings: hopsched.Settings,
+) -> None:
+    await declare_topology(settings)
+    schedule_id = f"order-{uuid.uuid4().hex}"
+
+    async def schedule(*extra: str) -> str:
+        status, out, err = await hopsched_cli(
+            *("schedule", "--in", "1h", "--routing-key", "q", "--schedule-id", schedule_id),
+            *extra,
+            settings=settings,
+        )
+        assert status == 0, err
+        assert out.startswith(f"scheduled {schedule_id} due ") or out.startswith(
+            f"scheduled (replacing any before) {schedule_id} due "
+        ), out
+        return err
+
+    assert "pending" not in await schedule()
+    warned = await schedule()
+    assert (
+        f"{schedule_id} now has 2 messages pending: it was scheduled before, and --replace "
+        "was not given, so each is delivered at its own due time. To keep only this one, "
+        f"schedule it again with --replace; to cancel them all: hopsched cancel {schedule_id}"
+    ) in warned
+    assert " WARNING " in warned
+    assert "pending" not in await schedule("--replace")  # the others cancelled, no read
+    status, out, err = await hopsched_cli("get", schedule_id, "--json", settings=settings)
+    assert status == 0, err
+    assert json.loads(out)["pending_copies"] == 1
+
+
+async def test_F43_an_at_before_2001_is_refused_naming_the_fix(settings: hopsched.Settings) -> None:
+    await declare_topology(settings)
+
+    status, out, err = await hopsched_cli(
+        "schedule", "--at", "2000-12-31T23:00:00Z", "--routing-key", "q", settings=settings
+    )
+
+    assert (status, out) == (2, "")
+    assert (
+        "Error: at=2000-12-31T23:00:00+00:00 is before 2001-01-01: a relay parks so early a "
+        "due time as a unit mistake (implausible_due); for at once, pass delay=0 (CLI: --in 0)"
+    ) in err

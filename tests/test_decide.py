@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hopsched
 from hopsched.cancel import CANCEL, RESCHEDULE, Cancellations, Record
+from hopsched.clock import MAX_DUE_US, us_to_datetime
 from hopsched.decide import (
     EARLY_TOLERANCE_US,
     RETRY_FIRST_MS,
@@ -24,8 +26,10 @@ from hopsched.decide import (
     Wait,
 )
 from hopsched.envelope import (
+    HEADER_CREATED,
     HEADER_DUE,
     HEADER_EXPIRATION,
+    HEADER_FEATURES,
     HEADER_HOP_CLOCK,
     HEADER_HOP_EXPIRES,
     HEADER_VERSION,
@@ -33,6 +37,7 @@ from hopsched.envelope import (
     Envelope,
 )
 from hopsched.ladder import Hold, Hop, Ladder
+from hopsched.plausible import EARLIEST_DUE_US
 from hopsched.signing import Signatures, SigningKey
 from hopsched.targets import TargetPolicy
 
@@ -439,3 +444,140 @@ def test_F30_only_the_owners_records_cancel_or_move_a_signed_message() -> None:
 
     cancellations.apply(Record(CANCEL, "victim", NOW + S, key_id="alice"))
     assert isinstance(decide(values, decider=relay, body=body, cancellations=cancellations), Cancel)
+
+
+# --- implausible due times (F43) ----------------------------------------------------------
+
+CREATED = 1_733_300_000_000_000  # 2024-12-04T08:13:20Z, µs
+
+
+@pytest.mark.parametrize(
+    ("due", "says"),
+    [
+        # Python's int(time.time()): seconds
+        (
+            1_733_300_000,
+            "x-hopsched-due 1733300000 looks like seconds since the epoch "
+            "(2024-12-04T08:13:20Z); it must be microseconds (1733300000000000)",
+        ),
+        # JavaScript's Date.now(): milliseconds
+        (
+            1_733_300_000_123,
+            "x-hopsched-due 1733300000123 looks like milliseconds since the epoch "
+            "(2024-12-04T08:13:20Z); it must be microseconds (1733300000123000)",
+        ),
+        (0, "x-hopsched-due 0 is 1970-01-01T00:00:00Z, before 2001-01-01"),
+        (5 * 10**14, "is 1985-11-05T00:53:20Z, before 2001-01-01"),  # µs, but 1985
+        (978_307_199_999_999, "is 2000-12-31T23:59:59Z, before 2001-01-01"),  # a µs short
+    ],
+)
+def test_F43_a_due_time_before_2001_is_parked_naming_the_unit_it_looks_like(
+    due: int, says: str
+) -> None:
+    values = headers(**{HEADER_DUE: due, HEADER_CREATED: CREATED})
+
+    decision = decide(values)
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "implausible_due"
+    assert says in decision.reason
+    assert "fix the producer" in decision.reason
+
+
+def test_F43_nanoseconds_are_malformed_and_said_to_be_nanoseconds() -> None:
+    decision = decide(headers(**{HEADER_DUE: CREATED * 1000}))
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "malformed"
+    assert "it looks like nanoseconds, it must be microseconds" in decision.reason
+
+
+@pytest.mark.parametrize(
+    "due",
+    [
+        978_307_200_000_000,  # 2001-01-01T00:00:00Z exactly
+        CREATED - 3600 * S,  # an hour before it was created: schedule(at=an hour ago)
+    ],
+)
+def test_F43_a_past_due_time_from_2001_on_is_delivered_at_once(due: int) -> None:
+    decision = decide(headers(**{HEADER_DUE: due, HEADER_CREATED: CREATED}))
+
+    assert isinstance(decision, Route)
+    assert decision.plan == Hold(0)
+
+
+def test_F43_a_reschedule_moves_an_implausible_due_time_to_a_plausible_one() -> None:
+    cancellations = Cancellations(50 * 86_400 * S)
+    cancellations.apply(Record(RESCHEDULE, "id-1", NOW, NOW + 60 * S))
+    values = headers(**{HEADER_DUE: 1_733_300_000, HEADER_CREATED: NOW - S})
+
+    decision = decide(values, cancellations=cancellations)
+
+    assert isinstance(decision, Route)
+    assert decision.envelope.due_us == NOW + 60 * S
+
+
+@given(due=st.integers(0, EARLIEST_DUE_US - 1), crowded=st.booleans())
+def test_F43_a_due_time_before_2001_is_never_routed(due: int, crowded: bool) -> None:
+    decision = decide(headers(**{HEADER_DUE: due}), crowded=crowded)
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "implausible_due"
+    assert str(due) in decision.reason
+
+
+@given(seconds=st.integers(EARLIEST_DUE_US // S, MAX_DUE_US // S))
+def test_F43_any_date_from_2001_on_in_seconds_or_milliseconds_is_named_so(seconds: int) -> None:
+    as_seconds = decide(headers(**{HEADER_DUE: seconds}))
+    as_ms = decide(headers(**{HEADER_DUE: seconds * 1000 + 999}))
+
+    assert isinstance(as_seconds, Park)
+    assert f"looks like seconds since the epoch ({us_to_datetime(seconds * S):%Y-%m-%d}T" in (
+        as_seconds.reason
+    )
+    assert f"it must be microseconds ({seconds * S})" in as_seconds.reason
+    assert isinstance(as_ms, Park)
+    assert "looks like milliseconds" in as_ms.reason
+    assert f"({seconds * S + 999_000})" in as_ms.reason
+
+
+@given(due=st.integers(EARLIEST_DUE_US, MAX_DUE_US))
+def test_F43_a_due_time_from_2001_to_9999_is_routed_never_early(due: int) -> None:
+    decision = decide(headers(**{HEADER_DUE: due}))
+
+    assert isinstance(decision, Route)
+    if isinstance(decision.plan, Hop):
+        assert decision.plan.step_ms * 1000 <= due - NOW
+    else:
+        assert decision.plan.wait_us == max(0, due - NOW)
+
+
+# --- features a relay must understand ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("named", "lacking"),
+    [
+        ("teleport", "teleport"),
+        ("recurring,teleport", "teleport"),
+        (" warp , teleport ,", "teleport, warp"),
+    ],
+)
+def test_an_envelope_naming_a_feature_this_relay_lacks_is_parked(named: str, lacking: str) -> None:
+    decision = decide(headers(**{HEADER_FEATURES: named}))
+
+    assert isinstance(decision, Park)
+    assert decision.kind == "unsupported_feature"
+    assert decision.reason.startswith(
+        f"it needs feature(s) {lacking} (header 'x-hopsched-features'), which this relay "
+        f"(hopsched {hopsched.__version__}, features: recurring) lacks: upgrade the relay"
+    )
+
+
+@pytest.mark.parametrize("named", [None, "", "recurring"])
+def test_an_envelope_naming_only_known_features_or_none_is_routed(named: str | None) -> None:
+    values = headers()
+    if named is not None:
+        values[HEADER_FEATURES] = named
+
+    assert isinstance(decide(values), Route)

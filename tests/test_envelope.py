@@ -25,6 +25,7 @@ from hopsched.envelope import (
     HEADER_DUE,
     HEADER_EXCHANGE,
     HEADER_EXPIRATION,
+    HEADER_FEATURES,
     HEADER_HOP_CLOCK,
     HEADER_HOP_EXPIRES,
     HEADER_HOPS,
@@ -75,6 +76,11 @@ envelopes = st.builds(
     hops=st.integers(0, 2**31),
     expiration=st.none() | st.integers(0, 2**32).map(str),
     delivery_mode=st.none() | st.sampled_from([0, 1]),
+    rule=st.none() | st.just('{"v":1,"e":60000000,"s":0}'),
+    # names a newer scheduler may write; "recurring" is implied by a rule, never stored
+    features=st.frozensets(
+        st.from_regex(r"[a-z][a-z0-9_-]{0,15}", fullmatch=True).filter(lambda n: n != "recurring")
+    ),
 )
 
 
@@ -115,6 +121,19 @@ def test_to_headers_keeps_the_callers_expiration_and_delivery_mode() -> None:
 
     assert headers[HEADER_EXPIRATION] == "60000"
     assert headers[HEADER_DELIVERY_MODE] == 1
+
+
+def test_features_name_recurring_for_a_rule_and_nothing_for_a_one_shot() -> None:
+    one_shot = Envelope("id-1", DUE_US, "orders", "order.created")
+    recurring = Envelope("id-1", DUE_US, "orders", "order.created", rule="{}", occurrence=1)
+
+    assert HEADER_FEATURES not in one_shot.to_headers()
+    assert recurring.to_headers()[HEADER_FEATURES] == "recurring"
+    newer = Envelope.from_headers(valid_headers(**{HEADER_FEATURES: "teleport, recurring,,"}))
+    assert newer.required_features == {"teleport", "recurring"}
+    assert newer.to_headers()[HEADER_FEATURES] == "recurring,teleport"
+    with pytest.raises(EnvelopeError, match="'x-hopsched-features' must be str, got bytes"):
+        Envelope.from_headers(valid_headers(**{HEADER_FEATURES: b"recurring"}))
 
 
 def test_from_headers_ignores_unrelated_headers() -> None:
@@ -228,6 +247,7 @@ DEAD_LETTERED = {
     HEADER_HOP_EXPIRES: DUE_US - 20_000,
     HEADER_EXPIRATION: "5000",
     HEADER_DELIVERY_MODE: 1,
+    HEADER_FEATURES: "recurring",
     "x-death": [{"count": 1, "queue": "hopsched.step.16", "reason": "expired"}],
     "x-first-death-exchange": "",
     "x-first-death-queue": "hopsched.step.16",

@@ -10,6 +10,7 @@ delivered), exact counts. Timing goals are not asserted; lateness is printed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -25,6 +26,7 @@ import pytest
 from support import (
     ADDED_ON_DELIVERY,
     HEADER_HOPS,
+    HEADER_PARKED_REASON,
     Collector,
     Received,
     Relays,
@@ -32,6 +34,7 @@ from support import (
     broker_death_headers,
     get_all,
     message_count,
+    publish_raw,
     queue_arguments,
     rabbitmqctl_path,
     schedule_all,
@@ -645,3 +648,49 @@ async def test_F13(
     assert await message_count(amqp, topology.relay_queue) == 0
     assert len(target) == 3
     assert relay.totals.delivered == 3
+
+
+# F43 ------------------------------------------------------------------------------------
+
+
+async def test_F43(
+    settings: hopsched.Settings,
+    relay: hopsched.Relay,
+    targets: Targets,
+    amqp: AMQP,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A raw producer writes the due time in seconds (Python's time.time()) and in
+    milliseconds (JavaScript's Date.now()): both are parked, saying so, never delivered."""
+    caplog.set_level(logging.WARNING, "hopsched.relay")
+    target = await targets.queue()
+    parked = await targets.consume(hopsched.Topology.from_settings(settings).parked_queue)
+    in_2_s = now_us() + 2_000_000
+    wrong = {"f43-seconds": in_2_s // 1_000_000, "f43-date-now": in_2_s // 1_000}
+    for schedule_id, due in wrong.items():
+        await publish_raw(amqp, settings, schedule_id, due, target.name)
+    await publish_raw(amqp, settings, "f43-micros", in_2_s, target.name)  # the recipe's own
+
+    await parked.wait_for(2, within=15)
+    await target.wait_for_ids(["f43-micros"], within=15)
+    await target.settle(0.5)
+    target.assert_never_early()
+    assert target.counts() == {"f43-micros": 1}
+    reasons = {r.schedule_id: r.headers[HEADER_PARKED_REASON] for r in parked.received}
+    assert {r.schedule_id: r.headers["x-hopsched-parked-kind"] for r in parked.received} == {
+        schedule_id: "implausible_due" for schedule_id in wrong
+    }
+    assert reasons["f43-seconds"].startswith(
+        f"x-hopsched-due {wrong['f43-seconds']} looks like seconds since the epoch ("
+    )
+    assert (
+        f"it must be microseconds ({wrong['f43-seconds'] * 1_000_000})" in (reasons["f43-seconds"])
+    )
+    assert reasons["f43-date-now"].startswith(
+        f"x-hopsched-due {wrong['f43-date-now']} looks like milliseconds since the epoch ("
+    )
+    assert relay.totals.parked_by_kind[hopsched.ParkKind.IMPLAUSIBLE_DUE] == 2
+    # The new kind is logged like every other (once per target and kind per interval).
+    logged = [r.getMessage() for r in caplog.records if "looks like" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert f"for ''/{target.name!r}" in logged[0]

@@ -95,6 +95,8 @@ def test_the_collector_exports_every_counter_histogram_and_gauge() -> None:
     assert _value(samples, "hopsched_held_messages") == 4
     assert _value(samples, "hopsched_in_flight_publishes") == 2
     assert not [name for name, _ in samples if "target" in name]  # no per-target labels
+    build = {"version": hopsched.__version__, "features": "recurring"}
+    assert _value(samples, "hopsched_build_info", **build) == 1
 
 
 def test_the_collector_exports_the_recurring_counters_every_label_present() -> None:

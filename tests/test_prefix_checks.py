@@ -4,6 +4,8 @@ caller asks to declare; ``status`` exits 1 while messages wait and no relay cons
 
 from __future__ import annotations
 
+import logging
+
 import aio_pika
 import aiormq
 import pytest
@@ -101,3 +103,31 @@ async def test_F36_status_exits_1_while_messages_wait_and_no_relay_consumes(
     await relays.start(settings)
     status, out, err = await hopsched_cli("status", settings=settings)
     assert status == 0, (out, err)
+
+
+async def test_a_relay_on_a_prefix_that_does_not_exist_says_so_loudly(
+    settings: hopsched.Settings, relays: Relays, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It declares it (a relay is how a prefix comes to be) but warns: a mistyped prefix
+    leaves the schedulers' messages on another one, unrelayed. A relay on an existing
+    prefix says nothing of it."""
+    caplog.set_level(logging.WARNING, "hopsched.relay")
+    topology = hopsched.Topology.from_settings(settings)
+
+    await relays.start(settings)
+    await relays.start(settings)  # the prefix exists now
+
+    warned = [r for r in caplog.records if "did not exist" in r.getMessage()]
+    assert [r.levelno for r in warned] == [logging.WARNING]
+    prefix = settings.prefix
+    assert warned[0].getMessage() == (
+        f"prefix {prefix!r} did not exist at {settings.masked_url}; this relay declared it: "
+        f"exchange {prefix}.expired, queues {prefix}.relay and {prefix}.parked, "
+        f"{len(topology.step_queues)} step queues {prefix}.step.16 to "
+        f"{prefix}.step.4294967296, streams {prefix}.cancelled and {prefix}.journal. If "
+        "the schedulers use an existing prefix, a mistyped --prefix (HOPSCHED_PREFIX) is a "
+        "common cause: their messages wait there, unrelayed. Then stop this relay, run "
+        f"`hopsched teardown --prefix {prefix}` to remove what it declared, and start it "
+        "with the schedulers' prefix"
+    )
+    assert "guest:guest" not in warned[0].getMessage()

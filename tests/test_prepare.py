@@ -157,6 +157,29 @@ def test_what_is_not_a_schedule_request_or_routes_nowhere_is_refused() -> None:
         check(ScheduleRequest(b"x", "", delay=1))
 
 
+@pytest.mark.parametrize(
+    "at",
+    [
+        datetime(2000, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+        datetime(1960, 1, 1, tzinfo=UTC),  # before 1970: due at the epoch
+    ],
+)
+def test_F43_a_due_time_before_2001_is_refused_as_the_relay_would_park_it(at: datetime) -> None:
+    with pytest.raises(hopsched.InvalidScheduleError) as refused:
+        check(ScheduleRequest(b"x", "q", at=at))
+
+    assert str(refused.value) == (
+        f"at={at.isoformat()} is before 2001-01-01: a relay parks so early a due time as a "
+        "unit mistake (implausible_due); for at once, pass delay=0 (CLI: --in 0)"
+    )
+
+
+def test_F43_a_due_time_in_the_past_from_2001_on_is_taken() -> None:
+    for at in (datetime(2001, 1, 1, tzinfo=UTC), datetime(2024, 1, 1, tzinfo=UTC)):
+        assert check(ScheduleRequest(b"x", "q", at=at)).envelope.due_us < NOW_US
+    assert check(ScheduleRequest(b"x", "q", delay=-5)).envelope.due_us == NOW_US
+
+
 async def test_the_schedulers_many_calls_refuse_what_is_not_a_list_before_connecting() -> None:
     """Found by a new-user trial: ``schedule_many([b"x"])`` raised AttributeError, and
     ``cancel_many("order-42")`` cancelled the ids 'o', 'r', 'd', ... (a str iterates)."""
