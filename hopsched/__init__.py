@@ -31,7 +31,7 @@ from hopsched.journal import ScheduleInfo
 from hopsched.ladder import Hold, Hop, Ladder
 from hopsched.prepare import ScheduleRequest
 from hopsched.relay import Relay
-from hopsched.scheduler import Scheduled, Scheduler
+from hopsched.scheduler import Cancelled, Scheduled, Scheduler
 from hopsched.settings import Settings, mask_url
 from hopsched.signing import SigningKey
 from hopsched.stats import RelayStats
