@@ -792,7 +792,7 @@ def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None
     depths = _run(go(), settings)
     click.echo(f"declared on {settings.masked_url}:")
     click.echo(f"  exchange {topology.expired_exchange} (direct) -> queue {topology.relay_queue}")
-    for name, arguments in topology.queues().items():
+    for name, arguments in topology.all_queues().items():
         click.echo(f"  queue {name} {json.dumps(arguments, sort_keys=True)}")
     for name in topology.holding_queues:
         if (depth := depths.get(name)) is not None:

@@ -236,7 +236,7 @@ def protective_policies(
 
     Two, because a policy applies to a queue only if the queue type supports every key:
 
-    * step, relay and parked queues: ``{"overflow": "reject-publish"}``, what hopsched
+    * step, relay, ingress and parked queues: ``{"overflow": "reject-publish"}``, what hopsched
       declares on quorum queues anyway; a length limit an operator policy adds then
       refuses publishes instead of dropping messages;
     * the cancellation stream: ``{"max-age": "<its retention>s"}``, its own ``x-max-age``.
@@ -246,7 +246,7 @@ def protective_policies(
     return (
         PolicyDefinition(
             queues_name,
-            rf"^{prefix}(step\.[0-9]+|relay|parked)$",
+            rf"^{prefix}(step\.[0-9]+|relay|ingress|parked)$",
             "queues",
             priority,
             {"overflow": "reject-publish"},
@@ -282,7 +282,8 @@ def set_policy_command(policy: PolicyDefinition, vhost: str) -> str:
 
 
 def _own_names(topology: Topology) -> str:
-    return rf"{re.escape(topology.prefix)}\.(step\.[0-9]+|relay|parked|cancelled|journal)$"
+    own = r"step\.[0-9]+|relay|ingress|parked|cancelled|journal|ingresses"
+    return rf"{re.escape(topology.prefix)}\.({own})$"
 
 
 def excluding(policy: PolicyDefinition, topology: Topology) -> PolicyDefinition:
@@ -389,13 +390,13 @@ _Role = tuple[str, int]
 
 
 def _role(topology: Topology, name: str) -> _Role:
-    if name == topology.relay_queue:
+    if name in (topology.relay_queue, topology.ingress_queue):  # relays consume both alike
         return ("relay", 0)
     if name == topology.parked_queue:
         return ("parked", 0)
     if name == topology.cancel_stream:
         return ("stream", 0)
-    if name == topology.journal_stream:
+    if name in (topology.journal_stream, topology.ingress_registry):  # look-ups only
         return ("journal", 0)
     return ("step", int(name.rsplit(".", 1)[1]))
 

@@ -96,7 +96,7 @@ async def read_report(settings: Settings, client: ManagementClient | None = None
     client = client or ManagementClient(settings)
     topology = Topology.from_settings(settings)
     vhost = client.vhost
-    views: dict[str, QueueView | None] = dict.fromkeys(topology.queues())
+    views: dict[str, QueueView | None] = dict.fromkeys(topology.all_queues())
     name = quote("^" + re.escape(topology.prefix) + r"\.", safe="")
     columns = "name,type,arguments,policy,operator_policy,effective_policy_definition"
     page, pages = 1, 1

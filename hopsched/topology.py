@@ -845,7 +845,7 @@ class Topology:
         the other type's arguments, a no-op if they match, tells the real difference.
         """
         text = str(error.args[0] if error.args else error)
-        if queue not in self.queues():
+        if queue not in self.all_queues():
             return _mismatch(text)
         if queue in (self.relay_queue, self.parked_queue):
             mismatch = _mismatch(text)
@@ -862,7 +862,7 @@ class Topology:
         other: QueueType = "classic" if self.queue_type == "quorum" else "quorum"
         try:
             async with connection.channel(publisher_confirms=False) as channel:
-                arguments = Topology(self.prefix, self.ladder, other).queues()[queue]
+                arguments = Topology(self.prefix, self.ladder, other).all_queues()[queue]
                 await channel.declare_queue(queue, durable=True, arguments=arguments)
         except aiormq.exceptions.ChannelPreconditionFailed:
             return _mismatch(text)

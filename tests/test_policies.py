@@ -70,7 +70,7 @@ def applied(
     """Every queue of ``topology`` as the management API shows it with ``policy`` (a user
     policy matching all of them) and ``operator`` (an operator policy) in force."""
     views: dict[str, QueueView | None] = {}
-    for name, arguments in topology.queues().items():
+    for name, arguments in topology.all_queues().items():
         qtype = arguments["x-queue-type"]
         user = policy if policy and not set(policy) & UNSUPPORTED[qtype] else None
         op = operator if operator and not set(operator) & UNSUPPORTED[qtype] else None
@@ -93,7 +93,7 @@ def declared(topology: Topology) -> dict[str, QueueView | None]:
     policies: name, type and arguments."""
     return {
         name: QueueView(name, arguments["x-queue-type"], arguments, None, None, None)
-        for name, arguments in topology.queues().items()
+        for name, arguments in topology.all_queues().items()
     }
 
 
@@ -104,6 +104,7 @@ def summary(report: PolicyReport) -> set[tuple[str, str, int]]:
 
 def roles(finding: Finding, topology: Topology = QUORUM) -> set[str]:
     named = {topology.relay_queue: "relay", topology.parked_queue: "parked"}
+    named[topology.ingress_queue] = "relay"  # consumed by relays as the relay queue
     named[topology.cancel_stream] = "stream"
     return {named.get(queue, "step") for queue in finding.queues}
 
@@ -112,25 +113,26 @@ def roles(finding: Finding, topology: Topology = QUORUM) -> set[str]:
     ("topology", "definition", "expected"),
     [
         # F28: a blanket expires deletes every queue nothing consumes (not the stream:
-        # a policy with expires does not apply to streams)
-        (QUORUM, {"expires": 8000}, {("loss", "expires", STEPS + 1), ("loss", "expires", 1)}),
-        (CLASSIC, {"expires": 8000}, {("loss", "expires", STEPS + 1), ("loss", "expires", 1)}),
+        # a policy with expires does not apply to streams); the relay and ingress queues,
+        # consumed by relays, as one finding of 2 (so throughout: the relays' queues)
+        (QUORUM, {"expires": 8000}, {("loss", "expires", STEPS + 1), ("loss", "expires", 2)}),
+        (CLASSIC, {"expires": 8000}, {("loss", "expires", STEPS + 1), ("loss", "expires", 2)}),
         # F28: max-length 1 + drop-head: quorum steps push messages out, at-most-once
         (
             QUORUM,
             {"max-length": 1, "overflow": "drop-head"},
-            {("loss", "max-length", STEPS), ("loss", "max-length", 1), ("loss", "max-length", 1)},
+            {("loss", "max-length", STEPS), ("loss", "max-length", 2), ("loss", "max-length", 1)},
         ),
         (
             CLASSIC,
             {"max-length": 1, "overflow": "drop-head"},
-            {("stall", "max-length", STEPS), ("stall", "max-length", 1), ("loss", "max-length", 1)},
+            {("stall", "max-length", STEPS), ("stall", "max-length", 2), ("loss", "max-length", 1)},
         ),
         # quorum queues read reject-publish-dlx as drop-head
         (
             QUORUM,
             {"max-length": 10, "overflow": "reject-publish-dlx"},
-            {("loss", "max-length", STEPS), ("loss", "max-length", 1), ("loss", "max-length", 1)},
+            {("loss", "max-length", STEPS), ("loss", "max-length", 2), ("loss", "max-length", 1)},
         ),
         # a length limit alone: quorum keeps its x-overflow=reject-publish; the parking
         # queue, which has none, drops
@@ -139,7 +141,7 @@ def roles(finding: Finding, topology: Topology = QUORUM) -> set[str]:
             {"max-length-bytes": 10**6},
             {
                 ("stall", "max-length-bytes", STEPS),
-                ("stall", "max-length-bytes", 1),
+                ("stall", "max-length-bytes", 2),  # the relay and ingress queues
                 ("loss", "max-length-bytes", 1),  # parked
                 ("loss", "max-length-bytes", 1),  # the stream: cancels deleted
             },
@@ -148,18 +150,18 @@ def roles(finding: Finding, topology: Topology = QUORUM) -> set[str]:
         (
             QUORUM,
             {"message-ttl": 5000},
-            {("hops", "message-ttl", 20), ("stall", "message-ttl", 1), ("loss", "message-ttl", 1)},
+            {("hops", "message-ttl", 20), ("stall", "message-ttl", 2), ("loss", "message-ttl", 1)},
         ),
         # ... below the storm floor every step above it stalls
         (
             QUORUM,
             {"message-ttl": 500},
-            {("stall", "message-ttl", 24), ("stall", "message-ttl", 1), ("loss", "message-ttl", 1)},
+            {("stall", "message-ttl", 24), ("stall", "message-ttl", 2), ("loss", "message-ttl", 1)},
         ),
         (
             QUORUM,
             {"delivery-limit": 5},
-            {("stall", "delivery-limit", 1), ("loss", "delivery-limit", 1)},
+            {("stall", "delivery-limit", 2), ("loss", "delivery-limit", 1)},
         ),
         (QUORUM, {"delivery-limit": 2_000_000}, set()),  # above both arguments: theirs wins
         # the queue's own arguments win: dead-letter target, strategy
@@ -204,24 +206,25 @@ def test_a_finding_names_the_policy_the_key_the_queues_and_the_fix() -> None:
     relay = next(f for f in report.findings if roles(f) == {"relay"})
 
     assert relay.line() == (
-        "loss possible: policy 'blanket' sets expires=8000 on 1 queue(s) (p.relay): the "
+        "loss possible: policy 'blanket' sets expires=8000 on 2 queue(s) (p.relay, p.ingress): the "
         "broker deletes a queue, with its messages, once no relay has consumed it for "
         "8000 ms (while a relay runs it keeps the queues in use). Fix: keep it off "
         "hopsched's queues with the protective policies: hopsched policies protect --prefix "
         "p (or rabbitmqctl set_policy -p / --priority 1000 --apply-to queues "
-        "hopsched-protect.p '^p\\.(step\\.[0-9]+|relay|parked)$' "
+        "hopsched-protect.p '^p\\.(step\\.[0-9]+|relay|ingress|parked)$' "
         '\'{"overflow":"reject-publish"}\' and rabbitmqctl set_policy -p / --priority 1000 '
         "--apply-to queues "
         "hopsched-protect-stream.p '^p\\.cancelled$' '{\"max-age\":\"4381367s\"}')"
     )
-    assert report.expires_ms == {name: 8000 for name in QUORUM.queues_but_stream()}
+    touched = [*QUORUM.queues_but_stream(), QUORUM.ingress_queue]
+    assert report.expires_ms == dict.fromkeys(touched, 8000)
 
 
 @pytest.mark.parametrize(
     ("version", "expected"),
     [
         # 3.10: min(-1, 100): every return dead-letters (parks) or drops
-        ("3.10.8", {("stall", "delivery-limit", 1), ("loss", "delivery-limit", 1)}),
+        ("3.10.8", {("stall", "delivery-limit", 2), ("loss", "delivery-limit", 1)}),
         ("4.0.5", set()),  # 4.0: "unlimited" (negative) loses to the queue's own limit
     ],
 )
@@ -274,7 +277,7 @@ def test_blanket_policies_the_protection_keeps_off_are_named() -> None:
             "3.10.8",
             {
                 ("stall", "max-length", STEPS),
-                ("stall", "max-length", 1),
+                ("stall", "max-length", 2),  # the relay and ingress queues
                 ("stall", "max-length", 1),
             },
         ),
@@ -282,19 +285,19 @@ def test_blanket_policies_the_protection_keeps_off_are_named() -> None:
         (
             {"max-length": 10, "overflow": "drop-head"},
             "4.0.5",
-            {("loss", "max-length", STEPS), ("loss", "max-length", 1), ("loss", "max-length", 1)},
+            {("loss", "max-length", STEPS), ("loss", "max-length", 2), ("loss", "max-length", 1)},
         ),
         (
             {"expires": 8000},
             "4.0.5",
-            {("loss", "expires", STEPS + 1), ("loss", "expires", 1)},
+            {("loss", "expires", STEPS + 1), ("loss", "expires", 2)},
         ),
         (
             {"max-length-bytes": 10**9},
             "4.0.5",
             {
                 ("stall", "max-length-bytes", STEPS),
-                ("stall", "max-length-bytes", 1),
+                ("stall", "max-length-bytes", 2),
                 ("stall", "max-length-bytes", 1),
                 ("loss", "max-length-bytes", 1),  # the stream
             },
@@ -428,7 +431,7 @@ def test_queues_not_reported_yet_or_missing_are_listed() -> None:
     assert report.missing == (QUORUM.relay_queue,)
     assert report.pending == (step,)
     assert not report.protected
-    assert len(report.expires_ms) == STEPS  # the other steps and parked
+    assert len(report.expires_ms) == STEPS + 1  # the other steps, parked and ingress
 
 
 @pytest.mark.parametrize(

@@ -179,7 +179,7 @@ async def queues_left(managed: Managed) -> list[str]:
     left = []
     connection = await aio_pika.connect(managed.node.url)
     async with connection:
-        for name in topology.queues():
+        for name in topology.all_queues():
             try:
                 async with connection.channel() as channel:
                     await channel.declare_queue(name, passive=True)
@@ -252,7 +252,7 @@ async def test_F28_a_blanket_expires_deletes_nothing_while_a_relay_runs(
 
     assert_delivered_once(outcome)
     assert await queues_left(managed) == list(
-        hopsched.Topology.from_settings(managed.settings).queues()
+        hopsched.Topology.from_settings(managed.settings).all_queues()
     )
     kind = "operator policy" if operator else "policy"
     errors = errors_of(caplog, started)
@@ -484,7 +484,7 @@ async def management_views(
     found = await client.get(
         "queues/%2F?columns=name,type,arguments,policy,operator_policy,effective_policy_definition"
     )
-    views: dict[str, QueueView | None] = dict.fromkeys(topology.queues())
+    views: dict[str, QueueView | None] = dict.fromkeys(topology.all_queues())
     for item in found:
         if item["name"] in views:
             views[item["name"]] = QueueView.from_api(item)

@@ -68,7 +68,7 @@ async def test_the_commands_without_the_management_api(settings: hopsched.Settin
     assert out.splitlines() == [
         "run these where you may set policies:",
         "  rabbitmqctl set_policy -p / --priority 1000 --apply-to queues "
-        f"hopsched-protect.{prefix} '^{prefix}\\.(step\\.[0-9]+|relay|parked)$' "
+        f"hopsched-protect.{prefix} '^{prefix}\\.(step\\.[0-9]+|relay|ingress|parked)$' "
         '\'{"overflow":"reject-publish"}\'',
         f"  rabbitmqctl set_policy -p / --priority 1000 --apply-to queues "
         f"hopsched-protect-stream.{prefix} '^{prefix}\\.cancelled$' '{{\"max-age\":\"4381367s\"}}'",
@@ -170,7 +170,7 @@ def _api_for(
     """A management API's answers for ``topology``'s queues and ``policies``."""
     items = [
         {"name": name, "type": arguments["x-queue-type"], "arguments": arguments}
-        for name, arguments in topology.queues().items()
+        for name, arguments in topology.all_queues().items()
     ]
     return {
         "/api/queues/%2F": (200, {"items": items, "page_count": 1}),
