@@ -243,7 +243,7 @@ async def test_a_message_published_with_x_delay_is_delivered_through_the_due_exc
     await entry.publish(aio_pika.Message(b"lost?", headers={DELAY_HEADER: 100}), "nobody")
 
     received = await target.wait_for(5, within=15)
-    await asyncio.sleep(0.3)  # nothing more comes (once each)
+    await target.settle(0.3)  # nothing more comes (once each)
     assert len(target) == 5
     for message in received:
         body = message.body.decode()

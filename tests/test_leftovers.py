@@ -31,6 +31,24 @@ def child_run(directory: Path, source: str) -> list[str]:
     ]  # fmt: skip
 
 
+async def run_a_broker_test(directory: Path, **env: str) -> tuple[int, str, bool]:
+    """A child run (its own marker, ``env`` on top) of one test that uses the broker:
+    (exit status, output, whether the test ran)."""
+    ran = directory / "ran"
+    command = child_run(
+        directory,
+        f"""
+        from pathlib import Path
+
+
+        def test_uses_the_broker(broker_url: str) -> None:
+            Path({str(ran)!r}).touch()
+        """,
+    )
+    status, text = await run_child(command, {"HOPSCHED_TEST_RUN": unique(), **env})
+    return status, text, ran.exists()
+
+
 async def run_child(
     command: list[str], env: dict[str, str], within: float = 120
 ) -> tuple[int, str]:
@@ -248,46 +266,20 @@ async def test_F40_the_tests_refuse_to_start_when_rabbitmqctl_reaches_another_br
     variable unset, the check listed and cleaned the machine's broker. Any subset of
     tests that uses a broker refuses to start, saying why and what to set; no test runs."""
     require_rabbitmqctl()  # reaches the test broker, not the private node
-    ran = tmp_path / "ran"
-    command = child_run(
-        tmp_path,
-        f"""
-        from pathlib import Path
-
-
-        def test_uses_the_broker(broker_url: str) -> None:
-            Path({str(ran)!r}).touch()
-        """,
-    )
-    status, text = await run_child(
-        command, {"HOPSCHED_TEST_URL": private_broker.url, "HOPSCHED_TEST_RUN": unique()}
-    )
+    status, text, ran = await run_a_broker_test(tmp_path, HOPSCHED_TEST_URL=private_broker.url)
 
     assert status == pytest.ExitCode.USAGE_ERROR, text
     assert "refusing to run the tests: rabbitmqctl" in text
     assert "reaches another broker than the test URL" in text
     assert "HOPSCHED_TEST_RABBITMQCTL" in text
-    assert not ran.exists()
+    assert not ran
 
 
 async def test_F40_the_tests_refuse_to_start_when_rabbitmqctl_fails(tmp_path: Path) -> None:
     """A rabbitmqctl that cannot list the broker (here: one that always fails) stops the
     run before any test, naming the variable to set."""
-    ran = tmp_path / "ran"
-    command = child_run(
-        tmp_path,
-        f"""
-        from pathlib import Path
-
-
-        def test_uses_the_broker(broker_url: str) -> None:
-            Path({str(ran)!r}).touch()
-        """,
-    )
-    status, text = await run_child(
-        command, {"HOPSCHED_TEST_RABBITMQCTL": "false", "HOPSCHED_TEST_RUN": unique()}
-    )
+    status, text, ran = await run_a_broker_test(tmp_path, HOPSCHED_TEST_RABBITMQCTL="false")
 
     assert status == pytest.ExitCode.USAGE_ERROR, text
     assert "refusing to run the tests: rabbitmqctl (false) failed" in text
-    assert not ran.exists()
+    assert not ran
