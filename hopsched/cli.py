@@ -1406,7 +1406,14 @@ def parked_replay(
         raise click.UsageError("give --id ID (repeatable) or --all")
     settings = _settings(url=url, prefix=prefix, queue_type=queue_type)
     result = _run(replay_parked(settings, None if replay_all else set(ids)))
-    click.echo(f"replayed {len(result.replayed)} message(s) to {settings.prefix}.relay")
+    count, relay_queue = len(result.replayed), f"{settings.prefix}.relay"
+    if result.to_ingress:
+        click.echo(
+            f"replayed {count} message(s): {count - result.to_ingress} to {relay_queue}, "
+            f"{result.to_ingress} to their ingress exchange"
+        )
+    else:
+        click.echo(f"replayed {count} message(s) to {relay_queue}")
     for name, why in result.left.items():
         click.echo(f"left parked: {name}: {why}")
     missing = set(ids) - set(result.replayed) - set(result.left)
@@ -1537,9 +1544,10 @@ def ingress_declare(
     topology = Topology.from_settings(settings)
     click.echo(
         f"ingress {exchange} on {settings.masked_url}: producers publish to exchange "
-        f"{exchange} (x-delay in ms); messages are due at the broker's receipt + x-delay and "
-        f"then go to exchange {topology.due_exchange(exchange)} ({delayed_type}): bind the "
-        f"consumers' queues there (hopsched ingress bind {exchange} QUEUE --key KEY)"
+        f"{exchange} (x-delay in ms); each is due x-delay after the broker's receipt stamp "
+        "(RabbitMQ >= 3.12 with the timestamp interceptor), else after a relay takes it in, "
+        f"and then goes to exchange {topology.due_exchange(exchange)} ({delayed_type}): bind "
+        f"the consumers' queues there (hopsched ingress bind {exchange} QUEUE --key KEY)"
     )
 
 

@@ -136,7 +136,10 @@ class Detours:
         """Publish a copy to ``{prefix}.parked`` with ``park``'s reason; ack once confirmed."""
         assert delivery.properties is not None
         headers: Mapping[str, Any] = delivery.properties.headers or {}
-        target = f"{headers.get(HEADER_EXCHANGE)!r}/{headers.get(HEADER_ROUTING_KEY)!r}"
+        if HEADER_EXCHANGE in headers:
+            target = f"{headers.get(HEADER_EXCHANGE)!r}/{headers.get(HEADER_ROUTING_KEY)!r}"
+        else:
+            target = "an unknown target (no envelope)"
         properties = parked_properties(delivery.properties, park.reason, park.kind, self.clock())
         self._publish_parked(delivery, properties.encode(), park, target)
 

@@ -134,6 +134,9 @@ FEATURES = frozenset({FEATURE_RECURRING})
 #: ``KEY-ID:HEX-MAC``: the envelope's HMAC-SHA256 and the id of the key that made it
 #: (``hopsched.signing``); absent when the producer holds no signing key.
 HEADER_SIGNATURE = "x-hopsched-signature"
+#: On a parked ingress message that could not be scheduled (``hopsched.ingress``): the
+#: exchange it was published to; a replay publishes it there again.
+HEADER_INGRESS = "x-hopsched-ingress"
 
 #: What RabbitMQ adds when it dead-letters a message
 #: (https://www.rabbitmq.com/docs/dlx#effects). Carried across hops they grow without

@@ -29,6 +29,10 @@ from typing import Any, Literal
 
 from hopsched.amqp import Properties
 from hopsched.envelope import (
+    HEADER_EXCHANGE,
+    HEADER_ID,
+    HEADER_INGRESS,
+    HEADER_ROUTING_KEY,
     PERSISTENT,
     Envelope,
     callers_headers,
@@ -168,9 +172,13 @@ class Ingested:
 
 @dataclass(frozen=True, slots=True)
 class NotIngested:
-    """Why an ingress message cannot be scheduled (it is parked with this reason)."""
+    """Why an ingress message cannot be scheduled: it is parked with ``reason`` and
+    ``properties``, its own plus what names it (``HEADER_ID``, ``HEADER_EXCHANGE`` and
+    ``HEADER_ROUTING_KEY``: its due exchange and key) and ``HEADER_INGRESS`` (the
+    exchange it was published to, where ``hopsched parked replay`` sends it back)."""
 
     reason: str
+    properties: Properties
 
 
 def ingest(
@@ -198,8 +206,18 @@ def ingest(
         exchange and ``routing_key``; schedule id the ``message_id``, else
         ``ingress-`` and a random id; created at the start), or ``NotIngested``.
     """
+    schedule_id = properties.message_id or f"{GENERATED_ID_PREFIX}{uuid.uuid4().hex}"
+
+    def refused(reason: str) -> NotIngested:
+        named = {HEADER_ROUTING_KEY: routing_key, HEADER_INGRESS: exchange}
+        named[HEADER_EXCHANGE] = due_exchange(prefix, exchange) if exchange else ""
+        if len(schedule_id.encode()) <= 255:
+            named[HEADER_ID] = schedule_id
+        headers = callers_headers(properties.headers).update(named)
+        return NotIngested(reason, properties.replace(headers=headers))
+
     if exchange == "":
-        return NotIngested(
+        return refused(
             f"published straight to {prefix}.ingress (default exchange): publish to an "
             "ingress exchange (`hopsched ingress list`) with an x-delay header"
         )
@@ -207,12 +225,11 @@ def ingest(
     try:
         delay = delay_ms(headers)
     except ValueError as error:
-        return NotIngested(f"{error}: hopsched cannot tell when to deliver it")
+        return refused(f"{error}: hopsched cannot tell when to deliver it")
     stamp_ms = received_ms(headers)
     start_us = stamp_ms * US_PER_MS if stamp_ms is not None else received_us
-    schedule_id = properties.message_id or f"{GENERATED_ID_PREFIX}{uuid.uuid4().hex}"
     if len(schedule_id.encode()) > 255:
-        return NotIngested("message_id is over 255 bytes: it cannot be its schedule id")
+        return refused("message_id is over 255 bytes: it cannot be its schedule id")
     envelope = Envelope(
         schedule_id=schedule_id,
         due_us=start_us + delay * US_PER_MS,

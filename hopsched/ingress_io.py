@@ -93,6 +93,13 @@ async def declare_ingress(
                 await queue.bind(entry, routing_key=key)
             await _append(channel, topology, IngressRegistry.declared(ingress))
         except aiormq.exceptions.ChannelPreconditionFailed as error:
+            if declaring == f"exchange {due!r}":
+                raise HopschedError(
+                    f"declaring {declaring}: {error.args[0] if error.args else error}. Ingress "
+                    f"{ingress.exchange!r} exists with another type: to change it, remove it "
+                    f"first (`hopsched ingress remove {ingress.exchange} --force`: messages of it "
+                    "still pending are parked when due), then declare it again"
+                ) from None
             raise HopschedError(
                 f"declaring {declaring}: {error.args[0] if error.args else error}. An exchange "
                 "of that name exists with another type: if it is the delayed-message "

@@ -26,11 +26,13 @@ from hopsched.envelope import (
     HEADER_DUE,
     HEADER_EXCHANGE,
     HEADER_ID,
+    HEADER_INGRESS,
     HEADER_PARKED_AT,
     HEADER_PARKED_KIND,
     HEADER_PARKED_REASON,
     HEADER_PARKED_USER_ID,
     HEADER_ROUTING_KEY,
+    HEADER_VERSION,
     unparked_properties,
 )
 from hopsched.errors import PrefixNotDeclaredError
@@ -109,10 +111,13 @@ def _dead_letter_reason(headers: Mapping[str, Any]) -> str:
 
 @dataclass
 class ReplayResult:
-    """What ``replay_parked`` did: schedule ids replayed, and those it left parked, why."""
+    """What ``replay_parked`` did: schedule ids replayed, and those it left parked, why;
+    ``to_ingress``: of the replayed, ingress messages never scheduled, sent back to their
+    ingress exchange."""
 
     replayed: list[str]
     left: dict[str, str]
+    to_ingress: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,10 +202,11 @@ async def replay_parked(
                 result.left[name] = f"its user_id is {user_id!r}: replay it logged in as that user"
                 continue
             replayed = unparked_properties(amqp.Properties.from_pamqp(properties))
+            exchange, routing_key = _replayed_to(replayed, topology)
             confirm = await publisher.basic_publish(
                 delivered.body,
-                exchange="",
-                routing_key=topology.relay_queue,
+                exchange=exchange,
+                routing_key=routing_key,
                 properties=replayed.to_pamqp(),
                 mandatory=True,
             )
@@ -208,8 +214,9 @@ async def replay_parked(
                 result.left[name] = f"the broker refused the replay ({confirm!r})"
                 continue
             result.replayed.append(name)
+            result.to_ingress += exchange != ""
             if progress is not None:  # before the ack: stopped here, this one is duplicated
-                progress(f"replayed to {topology.relay_queue}", len(result.replayed))
+                progress(f"replayed to {exchange or routing_key}", len(result.replayed))
             await delivered.channel.basic_ack(delivered.delivery_tag or 0)
     return result
 
@@ -246,3 +253,15 @@ async def _parked_messages(
                 yield delivered
 
         yield connection, depth.messages, messages()
+
+
+def _replayed_to(properties: amqp.Properties, topology: Topology) -> tuple[str, str]:
+    """Where a replay publishes (exchange, routing key): ``{prefix}.relay``, or, for an
+    ingress message that was never scheduled (no envelope; ``HEADER_INGRESS``), its
+    ingress exchange with its routing key, to be taken in again as it was published."""
+    headers: Mapping[str, Any] = properties.headers or {}
+    ingress = headers.get(HEADER_INGRESS)
+    if isinstance(ingress, str) and ingress and HEADER_VERSION not in headers:
+        routing_key = headers.get(HEADER_ROUTING_KEY)
+        return ingress, routing_key if isinstance(routing_key, str) else ""
+    return "", topology.relay_queue

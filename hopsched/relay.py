@@ -624,8 +624,16 @@ class _Session:
             received_us=now,
         )
         if isinstance(ingested, NotIngested):
+            delivery.properties = ingested.properties  # names it in parking
             self.detours.park(delivery, Park(ingested.reason, ParkKind.MALFORMED))
             return
+        if not ingested.stamped and not self.stats.ingested_unstamped:
+            log.info(
+                "ingress messages are timed from this relay's receipt: the broker stamps no "
+                "receipt time (RabbitMQ < 3.12, or no message_interceptors.incoming."
+                "set_header_timestamp); those published while no relay runs are late by the "
+                "outage, never early (docs/ingress.md)"
+            )
         self.stats.record_ingested(delivery.exchange, stamped=ingested.stamped)
         delivery.properties = ingested.properties
         try:

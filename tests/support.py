@@ -15,7 +15,7 @@ import statistics
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -46,6 +46,13 @@ RELAY_START_TIMEOUT_S = 30.0
 RELAY_STOP_TIMEOUT_S = 30.0
 #: What a target consumer may see added to the caller's headers.
 ADDED_ON_DELIVERY = frozenset({HEADER_ID, HEADER_DUE, HEADER_HOPS})
+
+
+async def until(condition: Callable[[], bool], within: float) -> None:
+    """Wait (polling a relay's counters: they signal nothing) until ``condition()``."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
 
 
 def unique(what: str = "") -> str:

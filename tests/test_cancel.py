@@ -14,19 +14,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from support import Relays, Targets, hopsched_cli
+from support import Relays, Targets, hopsched_cli, until
 
 import hopsched
 from hopsched.clock import now_us
 
 S = 1_000_000
-
-
-async def until(condition: Callable[[], bool], within: float) -> None:
-    """Wait (polling a relay's counters: they signal nothing) until ``condition()``."""
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ as properties, and a delivery through a real relay and broker."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -11,10 +12,19 @@ import aio_pika
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support import Cleanup, Targets, broker_version, hopsched_cli, unique, wait_until_count
+from support import (
+    Cleanup,
+    Targets,
+    broker_version,
+    hopsched_cli,
+    unique,
+    until,
+    wait_until_count,
+)
 
 import hopsched
 from hopsched.amqp import Properties, Table
+from hopsched.decide import ParkKind
 from hopsched.envelope import HEADER_CREATED, HEADER_DUE, HEADER_ID, Envelope
 from hopsched.errors import InvalidSettingsError
 from hopsched.ingress import (
@@ -372,3 +382,46 @@ async def _wait_get(queue: aio_pika.abc.AbstractQueue, within: float) -> Any:
             if (message := await queue.get(fail=False)) is not None:
                 return message
             await asyncio.sleep(0.05)
+
+
+async def test_an_ingress_message_that_cannot_be_scheduled_is_parked_named_and_replayed_there(
+    settings: hopsched.Settings,
+    relay: hopsched.Relay,
+    cleanup: Cleanup,
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    """Found by a new-user trial: a message with x-delay 'soon' was parked with no id or
+    target (None/None), and a replay re-parked it as a malformed envelope, its reason
+    lost. Parked, it is named by its message_id and due exchange; replayed, it goes back
+    to its ingress exchange and is parked again for the same reason."""
+    exchange = f"{settings.prefix}-orders"
+    cleanup.exchanges.update({exchange, f"{settings.prefix}.due.{exchange}"})
+    await declare_ingress(settings, Ingress(exchange, "direct"))
+    channel = await amqp.channel(publisher_confirms=True)
+    await (await channel.get_exchange(exchange)).publish(
+        aio_pika.Message(b"x", headers={DELAY_HEADER: "soon"}, message_id="bad-soon"), "created"
+    )
+    topology = hopsched.Topology.from_settings(settings)
+    await wait_until_count(amqp, topology.parked_queue, 1, within=10)
+
+    status, out, err = await hopsched_cli("parked", "list", "--json", settings=settings)
+    assert status == 0, err
+    [parked] = json.loads(out)
+    assert parked["schedule_id"] == "bad-soon"
+    assert (parked["exchange"], parked["routing_key"]) == (
+        f"{settings.prefix}.due.{exchange}",
+        "created",
+    )
+    assert "'x-delay' is 'soon'" in parked["reason"]
+
+    status, out, err = await hopsched_cli("parked", "replay", "--all", settings=settings)
+    assert status == 0, err
+    assert out.strip() == (
+        f"replayed 1 message(s): 0 to {topology.relay_queue}, 1 to their ingress exchange"
+    )
+    await until(lambda: relay.stats.parked_by_kind[ParkKind.MALFORMED] == 2, within=10)
+    await wait_until_count(amqp, topology.parked_queue, 1, within=10)
+    status, out, err = await hopsched_cli("parked", "list", "--json", settings=settings)
+    [again] = json.loads(out)
+    assert again["schedule_id"] == "bad-soon"
+    assert "'x-delay' is 'soon'" in again["reason"]

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import aio_pika
 import pytest
-from support import Relays, Targets, hopsched_cli
+from support import Relays, Targets, hopsched_cli, until
 
 import hopsched
 from hopsched.cancel import Cancellations
@@ -25,12 +25,6 @@ from hopsched.envelope import HEADER_KEY, HEADER_OCCURRENCE, HEADER_RULE, Envelo
 from hopsched.topology import Topology
 
 S = 1_000_000
-
-
-async def until(condition: Callable[[], bool], within: float) -> None:
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
 
 
 async def test_every_second_with_a_count_delivers_each_occurrence_once_on_the_rule(

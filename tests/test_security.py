@@ -30,7 +30,7 @@ import aiormq
 import pytest
 from broker import PrivateBroker, seen_by_nodes
 from prometheus_client import CollectorRegistry, generate_latest
-from support import Collector, Relays, Targets, hopsched_cli, wait_until_count
+from support import Collector, Relays, Targets, hopsched_cli, until, wait_until_count
 
 import hopsched
 from hopsched.cancel import CANCEL, RESCHEDULE, Record, encode_records
@@ -58,13 +58,6 @@ RELAYS_KEYS = {
     "HOPSCHED_SIGNING_KEYS": f"{key_text(ALICE)},{key_text(MALLORY)}",
     "HOPSCHED_REQUIRE_SIGNATURES": "true",
 }
-
-
-async def until(condition: Callable[[], bool], within: float) -> None:
-    """Wait (polling a relay's counters: they signal nothing) until ``condition()``."""
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
 
 
 async def consume(connection: aio_pika.abc.AbstractConnection, queue: str) -> Collector:
