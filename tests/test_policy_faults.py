@@ -566,8 +566,8 @@ async def test_F28_each_key_priority_and_policy_kind_as_the_broker_applies_it(
     report = await agreed(managed)
     assert {(f.policy, f.key, len(f.queues)) for f in report.findings} == {
         ("high", "max-length", 29),
-        ("low", "expires", 1),
-        ("low", "expires", 1),
+        ("low", "expires", 2),  # the relays' queues: relay and ingress
+        ("low", "expires", 1),  # parked
     }
     # protected: both masked; one above the protection is not, and its fix says how high
     status, out, err = await hopsched_cli("policies", "protect", settings=settings, env=managed.env)
