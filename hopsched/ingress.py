@@ -202,7 +202,8 @@ def ingest(
             any outage of the relays), so late, never early.
 
     Returns:
-        ``Ingested`` (the envelope: due at start + ``x-delay``; target the due
+        ``Ingested`` (the envelope: due at start + ``x-delay``, the start being the
+        end of the broker's stamp's millisecond, or ``received_us``; target the due
         exchange and ``routing_key``; schedule id the ``message_id``, else
         ``ingress-`` and a random id; created at the start), or ``NotIngested``.
     """
@@ -227,7 +228,9 @@ def ingest(
     except ValueError as error:
         return refused(f"{error}: hopsched cannot tell when to deliver it")
     stamp_ms = received_ms(headers)
-    start_us = stamp_ms * US_PER_MS if stamp_ms is not None else received_us
+    # The stamp is whole ms, truncated: the receipt was up to 1 ms after it (counted from
+    # the stamp itself, a benchmark saw 7 of 10,000 delivered up to 0.16 ms early).
+    start_us = (stamp_ms + 1) * US_PER_MS if stamp_ms is not None else received_us
     if len(schedule_id.encode()) > 255:
         return refused("message_id is over 255 bytes: it cannot be its schedule id")
     envelope = Envelope(

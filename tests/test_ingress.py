@@ -121,8 +121,9 @@ def test_the_brokers_receipt_stamp_is_the_start_of_the_delay() -> None:
 
     assert isinstance(ingested, Ingested)
     assert ingested.stamped
-    assert ingested.envelope.due_us == (stamp_ms + 10_000) * 1000
-    assert ingested.envelope.created_us == stamp_ms * 1000
+    # the stamp is truncated to the ms: the delay starts at the end of that ms
+    assert ingested.envelope.due_us == (stamp_ms + 1 + 10_000) * 1000
+    assert ingested.envelope.created_us == (stamp_ms + 1) * 1000
 
 
 def test_a_producers_own_hopsched_headers_cannot_choose_the_target() -> None:
@@ -183,7 +184,7 @@ def test_never_due_before_the_start_plus_the_delay(
         received_us=received_us,
     )
     assert isinstance(ingested, Ingested)
-    start_us = stamp_ms * 1000 if stamp_ms is not None else received_us
+    start_us = (stamp_ms + 1) * 1000 if stamp_ms is not None else received_us
     assert ingested.envelope.due_us == start_us + max(0, int(delay)) * 1000
     assert Envelope.from_headers(ingested.properties.headers) == ingested.envelope
 
@@ -366,7 +367,7 @@ async def test_the_delay_starts_at_the_brokers_receipt_and_never_earlier_after_a
     due_us = int(message.headers["x-hopsched-due"])  # type: ignore[call-overload]
     if stamped:
         stamp_ms = int(message.headers[BROKER_TIMESTAMP_HEADER])  # type: ignore[call-overload]
-        assert due_us == (stamp_ms + 2000) * 1000
+        assert due_us == (stamp_ms + 1 + 2000) * 1000  # the end of the stamp's ms
         assert relay.stats.ingested_unstamped == 0
         assert arrived - restarted < 2  # overdue: at once, not 2 s more
     else:
