@@ -133,6 +133,8 @@ class Strategy:
     name: ClassVar[str]
     #: What ``broker publishes per delivered message`` counts for this strategy.
     counting: ClassVar[str]
+    #: Declare arguments of the target queue (durable classic without any).
+    target_arguments: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, url: str, run_id: str, prefetch: int) -> None:
         self.url = url  # hopsched's Settings.url: one node, or a cluster's comma-separated
@@ -159,7 +161,9 @@ class Strategy:
         """Connect, declare, start the strategy's process and wait until it consumes."""
         self.connection = await aio_pika.connect(self.node_url, name=f"bench-{self.name}")
         self.channel = await self.connection.channel(publisher_confirms=True)
-        await self.channel.declare_queue(self.target_queue, durable=True)
+        await self.channel.declare_queue(
+            self.target_queue, durable=True, arguments=self.target_arguments or None
+        )
         await self._declare(self.channel)
         await self._start_process()
 
@@ -760,6 +764,17 @@ class BrokerFloor(Strategy):
         return how, failures
 
 
+class BrokerFloorQuorum(BrokerFloor):
+    """The broker floor into a quorum target queue: the broker's own publish -> consume
+    time through a quorum queue (a message is delivered once its Raft log entry is
+    committed), the floor under the first leg of ``hopsched-ingress`` on RabbitMQ
+    3.10/3.11, whose delay starts when the relay takes the message from the quorum
+    queue ``{prefix}.ingress``."""
+
+    name = "broker-floor-quorum"
+    target_arguments: ClassVar[dict[str, Any]] = {"x-queue-type": "quorum"}
+
+
 class ConsumerHold(Strategy):
     """The Celery-ETA / Dramatiq way: a worker (``bench_hold_worker.py``, its own process)
     consumes at once, holds each message in memory until due, publishes it to the target
@@ -864,6 +879,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         ConsumerHold,
         DelayedExchange,
         BrokerFloor,
+        BrokerFloorQuorum,
     )
 }
 
