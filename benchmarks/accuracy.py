@@ -351,6 +351,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
     )
     run_id = uuid.uuid4().hex[:6]
     started = time.monotonic()
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     memory: dict[str, int] = {}
@@ -381,7 +382,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
         "scenario": options["scenario"],
         "command": " ".join(["python", "benchmarks/accuracy.py", *sys.argv[1:]]),
         "run_id": run_id,
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started_at": started_at,
         "machine": {
             "cpu_count": os.cpu_count(),
             "load_avg_1m_start": load_start,
