@@ -337,7 +337,10 @@ class Hopsched(Strategy):
         )
         self.environment = ladder_environment(ladder or {})
         self.topology = hopsched.Topology.from_settings(self.settings)
-        self.queues += list(self.topology.queues())
+        # all_queues: the relay declares the ingress's queues too (a hopsched measured
+        # through --hopsched-path may predate them)
+        every = getattr(self.topology, "all_queues", self.topology.queues)
+        self.queues += list(every())
         self.exchanges.append(self.topology.expired_exchange)
         self.scheduler: hopsched.Scheduler | None = None
 
@@ -470,7 +473,6 @@ class HopschedIngress(Hopsched):
         super().__init__(url, run_id, prefetch, ladder)
         self.exchange = f"{self.prefix}-delayed"  # what producers publish to
         self.due_exchange = self.topology.due_exchange(self.exchange)
-        self.queues += [q for q in self.topology.ingress_queues() if q not in self.queues]
         self.exchanges += [self.exchange, self.due_exchange]
 
     async def open(self) -> None:
