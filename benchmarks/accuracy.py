@@ -209,7 +209,10 @@ def _private_options(options: dict[str, Any]) -> dict[str, Any]:
     ``--enable-plugin``; none when not given (a hopsched measured through
     ``--hopsched-path`` may predate ``plugins_dirs``)."""
     given = {"plugins": options["enable_plugins"], "plugins_dirs": options["plugins_dirs"]}
-    return {key: list(value) for key, value in given.items() if value}
+    extra: dict[str, Any] = {key: list(value) for key, value in given.items() if value}
+    if options["node_config"]:
+        extra["config"] = "\n".join(options["node_config"])
+    return extra
 
 
 async def _node_plugins(node: Any) -> dict[str, str] | None:
@@ -546,6 +549,16 @@ def _run_cancellable(coroutine: Any) -> Any:
     "rabbitmq_delayed_message_exchange (repeatable).",
 )
 @click.option(
+    "--node-config",
+    "node_config",
+    multiple=True,
+    metavar="LINE",
+    help="With --rabbitmq or --cluster: a rabbitmq.conf line for the private nodes, e.g. "
+    "'message_interceptors.incoming.set_header_timestamp.overwrite = false' (RabbitMQ "
+    ">= 3.12: the broker stamps its receipt time, from which the ingress's delay then "
+    "starts) (repeatable).",
+)
+@click.option(
     "--publish-throughput",
     default=0,
     show_default=True,
@@ -629,12 +642,12 @@ def main(**options: Any) -> None:
         ]
     options["strategies"] = names
     options["installations"] = _installations(options["installations"], options)
-    if (options["plugins_dirs"] or options["enable_plugins"]) and not (
+    if (options["plugins_dirs"] or options["enable_plugins"] or options["node_config"]) and not (
         options["installations"] or options["cluster"]
     ):
         raise click.BadParameter(
             "they are for private nodes: add --rabbitmq or --cluster",
-            param_hint="--plugins-dir/--enable-plugin",
+            param_hint="--plugins-dir/--enable-plugin/--node-config",
         )
     try:
         result = _run_cancellable(_main(options))
