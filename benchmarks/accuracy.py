@@ -33,8 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper m
 
 from bench_ladder import ladder_name, parse_ladder
 from bench_measure import use_rabbitmqctl
-from bench_report import burst_table, decade_table, markdown_table, plot, throughput_summary
-from bench_run import Progress, Run, Session, measure_strategy, run_workload
+from bench_report import (
+    burst_table,
+    decade_table,
+    ingest_lag_table,
+    markdown_table,
+    plot,
+    publish_throughput_table,
+    throughput_summary,
+)
+from bench_run import (
+    Progress,
+    Run,
+    Session,
+    measure_strategy,
+    publish_throughput,
+    run_workload,
+)
 from bench_scenarios import (
     BURST_COUNTS,
     BURST_LEAD_S,
@@ -141,22 +156,44 @@ async def _broker(url: str) -> dict[str, Any]:
 
 
 async def run_strategies(
-    url: str, names: list[str], workload: Workload, run_id: str, prefetch: int
+    url: str,
+    names: list[str],
+    workload: Workload,
+    run_id: str,
+    prefetch: int,
+    throughput: tuple[int, int, int] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Run]]:
-    """Each strategy in turn on ``workload``; rows for the JSON, runs for the plots."""
+    """Each strategy in turn on ``workload``; rows for the JSON, runs for the plots.
+    ``throughput`` (messages, producers, in flight per producer): after its workload, in
+    the same session, each strategy that has producers for it is measured in the
+    publish-throughput phase (``bench_run.publish_throughput``, the row's
+    ``publish_throughput``)."""
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     progress = Progress()
     for name in names:
 
         async def measure(session: Session, name: str = name) -> Run:
-            return await run_workload(session, workload, tag=name, progress=progress)
+            run = await run_workload(session, workload, tag=name, progress=progress)
+            if throughput is not None:
+                count, producers, in_flight = throughput
+                run.summary["publish_throughput"] = await publish_throughput(
+                    session, count, producers, in_flight, tag=name, progress=progress
+                )
+            return run
 
         strategy = make_strategy(name, url, run_id, prefetch)
         rows[name], run = await measure_strategy(strategy, name, measure, progress)
         if run is not None:
             runs[name] = run
     return rows, runs
+
+
+def _throughput(options: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``run_strategies``' ``throughput`` from ``--publish-throughput`` and its options."""
+    if not options["publish_throughput"]:
+        return None
+    return options["publish_throughput"], options["producers"], options["producer_in_flight"]
 
 
 async def _main(options: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +209,10 @@ def _private_options(options: dict[str, Any]) -> dict[str, Any]:
     ``--enable-plugin``; none when not given (a hopsched measured through
     ``--hopsched-path`` may predate ``plugins_dirs``)."""
     given = {"plugins": options["enable_plugins"], "plugins_dirs": options["plugins_dirs"]}
-    return {key: list(value) for key, value in given.items() if value}
+    extra: dict[str, Any] = {key: list(value) for key, value in given.items() if value}
+    if options["node_config"]:
+        extra["config"] = "\n".join(options["node_config"])
+    return extra
 
 
 async def _node_plugins(node: Any) -> dict[str, str] | None:
@@ -267,7 +307,12 @@ async def _main_on(url: str, options: dict[str, Any]) -> dict[str, Any]:
     else:
         result["workload"] = workload.describe()
         result["strategies"], runs = await run_strategies(
-            url, options["strategies"], workload, run_id, options["prefetch"]
+            url,
+            options["strategies"],
+            workload,
+            run_id,
+            options["prefetch"],
+            _throughput(options),
         )
     result["duration_s"] = round(time.monotonic() - started, 1)
     result["finished_at"] = datetime.now(UTC).isoformat(timespec="seconds")
@@ -309,6 +354,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
     )
     run_id = uuid.uuid4().hex[:6]
     started = time.monotonic()
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
     memory: dict[str, int] = {}
@@ -321,7 +367,12 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
             use_rabbitmqctl(node.rabbitmqctl_command)  # its queue depths, not another node's
             try:
                 got, got_runs = await run_strategies(
-                    broker.url, names, workload, f"{run_id}{number}", options["prefetch"]
+                    broker.url,
+                    names,
+                    workload,
+                    f"{run_id}{number}",
+                    options["prefetch"],
+                    _throughput(options),
                 )
             finally:
                 use_rabbitmqctl(None)
@@ -334,7 +385,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
         "scenario": options["scenario"],
         "command": " ".join(["python", "benchmarks/accuracy.py", *sys.argv[1:]]),
         "run_id": run_id,
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started_at": started_at,
         "machine": {
             "cpu_count": os.cpu_count(),
             "load_avg_1m_start": load_start,
@@ -497,6 +548,40 @@ def _run_cancellable(coroutine: Any) -> Any:
     help="With --rabbitmq or --cluster: enable this plugin on the private nodes, e.g. "
     "rabbitmq_delayed_message_exchange (repeatable).",
 )
+@click.option(
+    "--node-config",
+    "node_config",
+    multiple=True,
+    metavar="LINE",
+    help="With --rabbitmq or --cluster: a rabbitmq.conf line for the private nodes, e.g. "
+    "'message_interceptors.incoming.set_header_timestamp.overwrite = false' (RabbitMQ "
+    ">= 3.12: the broker stamps its receipt time, from which the ingress's delay then "
+    "starts) (repeatable).",
+)
+@click.option(
+    "--publish-throughput",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Paced scenarios: after each strategy's workload, N messages (due in 1 h) published "
+    "as fast as --producers producers go, each on its own connection, with confirms: "
+    "msgs/s per strategy (hopsched-quorum: schedule(); hopsched-ingress and "
+    "delayed-exchange: x-delay publishes; others not measured). 0: off.",
+)
+@click.option(
+    "--producers",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1),
+    help="With --publish-throughput: concurrent producers.",
+)
+@click.option(
+    "--producer-in-flight",
+    default=50,
+    show_default=True,
+    type=click.IntRange(1),
+    help="With --publish-throughput: publishes awaiting their confirm per producer.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
@@ -557,12 +642,12 @@ def main(**options: Any) -> None:
         ]
     options["strategies"] = names
     options["installations"] = _installations(options["installations"], options)
-    if (options["plugins_dirs"] or options["enable_plugins"]) and not (
+    if (options["plugins_dirs"] or options["enable_plugins"] or options["node_config"]) and not (
         options["installations"] or options["cluster"]
     ):
         raise click.BadParameter(
             "they are for private nodes: add --rabbitmq or --cluster",
-            param_hint="--plugins-dir/--enable-plugin",
+            param_hint="--plugins-dir/--enable-plugin/--node-config",
         )
     try:
         result = _run_cancellable(_main(options))
@@ -576,6 +661,10 @@ def main(**options: Any) -> None:
         table = markdown_table(result["strategies"])
     if "throughput" in result:
         table += "\n\n" + throughput_summary(result["throughput"])
+    if published := publish_throughput_table(result["strategies"]):
+        table += "\n\n" + published
+    if lags := ingest_lag_table(result["strategies"]):
+        table += "\n\n" + lags
     if decades := decade_table(result["strategies"]):
         table += "\n\n" + decades
     measured = result["hopsched"]

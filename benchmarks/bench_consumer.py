@@ -3,7 +3,7 @@ instants do not wait behind the load generator's event loop (pacing, publishing,
 confirms). Consumes QUEUE with auto-ack; for each message it takes the receive instant
 first, then queues one line for stdout:
 
-    RECEIVED_US <tab> DUE_US <tab> HOPS <tab> SCHEDULE_ID
+    RECEIVED_US <tab> DUE_US <tab> HOPS <tab> STAMPED_DUE_US or - <tab> SCHEDULE_ID
     stray                                   (no id or no due time in the headers)
 
 Lines are written every ~20 ms, not one write per message. Prints ``ready`` once it
@@ -41,21 +41,23 @@ STRAY = "stray\n"
 FLUSH_S = 0.02
 
 
-def format_line(fields: tuple[str, int, int] | None, received_us: int) -> str:
+def format_line(fields: tuple[str, int, int, int | None] | None, received_us: int) -> str:
     """One output line: the fields of ``bench_measure.delivery_fields`` (None: a stray)."""
     if fields is None or "\n" in fields[0]:  # an id that would break the line is no bench id
         return STRAY
-    schedule_id, due_us, hops = fields
-    return f"{received_us}\t{due_us}\t{hops}\t{schedule_id}\n"
+    schedule_id, due_us, hops, stamped = fields
+    stamped_text = "-" if stamped is None else str(stamped)
+    return f"{received_us}\t{due_us}\t{hops}\t{stamped_text}\t{schedule_id}\n"
 
 
-def parse_line(line: str) -> tuple[str, int, int, int] | None:
-    """(schedule id, due µs, hops, received µs) from a ``format_line`` line; None for a
-    stray. ValueError for anything else."""
+def parse_line(line: str) -> tuple[str, int, int, int, int | None] | None:
+    """(schedule id, due µs, hops, received µs, stamped due µs or None) from a
+    ``format_line`` line; None for a stray. ValueError for anything else."""
     if line == STRAY:
         return None
-    received_us, due_us, hops, schedule_id = line.rstrip("\n").split("\t", 3)
-    return schedule_id, int(due_us), int(hops), int(received_us)
+    received_us, due_us, hops, stamped, schedule_id = line.rstrip("\n").split("\t", 4)
+    stamped_us = None if stamped == "-" else int(stamped)
+    return schedule_id, int(due_us), int(hops), int(received_us), stamped_us
 
 
 async def main(url: str, queue_name: str) -> None:

@@ -129,6 +129,10 @@ class Delivery:
     received_us: int
     due_us: int
     hops: int
+    #: The due time hopsched stamped (``x-hopsched-due``) on a message that also has the
+    #: producer's (``x-bench-due``, which ``due_us`` is): the ingress row's, whose relay
+    #: stamps it from when it took the message; None for every other row.
+    stamped_due_us: int | None = None
 
     @property
     def lateness_us(self) -> int:
@@ -145,15 +149,22 @@ def _hops(headers: Mapping[str, Any]) -> int:
     return sum(int(death.get("count", 1)) for death in deaths if isinstance(death, Mapping))
 
 
-def delivery_fields(headers: Mapping[str, Any] | None) -> tuple[str, int, int] | None:
-    """(schedule id, due µs, hops) from a delivered message's headers: hopsched's own, or
-    the benchmark's ``x-bench-*`` ones; None for a stray (no id or no integer due time)."""
+def delivery_fields(
+    headers: Mapping[str, Any] | None,
+) -> tuple[str, int, int, int | None] | None:
+    """(schedule id, due µs, hops, stamped due µs or None) from a delivered message's
+    headers: hopsched's own, or the benchmark's ``x-bench-*`` ones; None for a stray (no
+    id or no integer due time).
+    A message with both due times (the ``hopsched-ingress`` row: the producer's
+    ``x-bench-due``, and the ``x-hopsched-due`` the relay stamps from when it took the
+    message) is measured from the producer's, as the plugin's row is."""
     headers = headers or {}
     schedule_id = headers.get(HEADER_ID, headers.get(BENCH_ID))
-    due_us = headers.get(HEADER_DUE, headers.get(BENCH_DUE))
+    due_us = headers.get(BENCH_DUE, headers.get(HEADER_DUE))
     if not isinstance(schedule_id, str) or not isinstance(due_us, int):
         return None
-    return schedule_id, due_us, _hops(headers)
+    stamped = headers.get(HEADER_DUE) if BENCH_DUE in headers else None
+    return schedule_id, due_us, _hops(headers), stamped if isinstance(stamped, int) else None
 
 
 @dataclass
@@ -167,14 +178,21 @@ class Collector:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     awaited: int = 0  # how many deliveries end the wait (the long F01 ones are not awaited)
 
-    def add(self, schedule_id: str, due_us: int, hops: int, received_us: int) -> None:
+    def add(
+        self,
+        schedule_id: str,
+        due_us: int,
+        hops: int,
+        received_us: int,
+        stamped_due_us: int | None = None,
+    ) -> None:
         """One delivery, its fields already read (``delivery_fields``)."""
         if schedule_id not in self.expected:
             self.strays += 1
         elif schedule_id in self.deliveries:
             self.duplicates += 1
         else:
-            self.deliveries[schedule_id] = Delivery(received_us, due_us, hops)
+            self.deliveries[schedule_id] = Delivery(received_us, due_us, hops, stamped_due_us)
             if len(self.deliveries) >= self.awaited:
                 self.done.set()
 
@@ -183,7 +201,8 @@ class Collector:
         if fields is None:
             self.strays += 1
         else:
-            self.add(*fields, received_us)
+            schedule_id, due_us, hops, stamped = fields
+            self.add(schedule_id, due_us, hops, received_us, stamped)
 
 
 def summarize(deliveries: list[Delivery]) -> dict[str, Any]:

@@ -12,7 +12,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_measure import Delivery
 
-__all__ = ["burst_table", "decade_table", "markdown_table", "plot", "throughput_summary"]
+__all__ = [
+    "burst_table",
+    "decade_table",
+    "ingest_lag_table",
+    "markdown_table",
+    "plot",
+    "publish_throughput_table",
+    "throughput_summary",
+]
 
 _COLUMNS = [
     ("strategy", "strategy"),
@@ -35,6 +43,7 @@ _COLUMNS = [
     ("sustained_schedule_rate_per_s", "sched/s"),
     ("process_cpu_s", "proc CPU s"),
     ("relay_cpu_us_per_relayed_msg", "relay CPU µs/msg"),
+    ("relay_cpu_us_per_delivered_msg", "relay CPU µs/delivered"),
     ("scheduler_cpu_us_per_msg", "sched CPU µs/msg"),
     ("process_peak_rss_mb", "proc peak RSS MB"),
     ("bench_loop_lag_p99_ms", "bench lag p99 ms"),
@@ -227,3 +236,59 @@ def _save(figure: Any, path: Path) -> Path:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def publish_throughput_table(strategies: dict[str, dict[str, Any]]) -> str:
+    """The publish-throughput phase (``--publish-throughput``): one row per strategy
+    measured there; empty when none was."""
+    rows = [
+        (name, row["publish_throughput"])
+        for name, row in strategies.items()
+        if row.get("publish_throughput")
+    ]
+    if not rows:
+        return ""
+    first = rows[0][1]
+    lines = [
+        f"confirmed publish throughput: {first['messages']:,} messages due in "
+        f"{first['delay_s']:g} s, {first['producers']} producers (own connection each), "
+        f"{first['in_flight_per_producer']} in flight each",
+        "",
+        "| strategy | confirmed | failures | confirmed msgs/s | taken by the relay, msgs/s "
+        "| process CPU µs/msg |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, got in rows:
+        cells = (
+            got["confirmed"],
+            got["failures"],
+            got["confirmed_per_s"],
+            got["ingested_per_s"],
+            got["process_cpu_us_per_msg"],
+        )
+        lines.append(f"| {name} | " + " | ".join(_cell(value) for value in cells) + " |")
+    return "\n".join(lines)
+
+
+def ingest_lag_table(strategies: dict[str, dict[str, Any]]) -> str:
+    """The ingress rows' ingest lag and lateness from the relay's own due time
+    (``bench_run.ingest_lag``); empty when no row has them."""
+    rows = [(name, row) for name, row in strategies.items() if "ingest_lag_p50_ms" in row]
+    if not rows:
+        return ""
+    keys = [
+        f"{name}_{key}_ms"
+        for name in ("ingest_lag", "lateness_from_relay_due")
+        for key in ("p50", "p90", "p99", "max")
+    ]
+    lines = [
+        "ingest lag (publish -> the relay takes it from the ingress queue) and lateness from "
+        "the relay's own due time (taken + x-delay), ms",
+        "",
+        "| strategy | lag p50 | lag p90 | lag p99 | lag max "
+        "| from relay due p50 | p90 | p99 | max |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows:
+        lines.append(f"| {name} | " + " | ".join(_cell(row[key]) for key in keys) + " |")
+    return "\n".join(lines)

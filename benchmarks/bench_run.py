@@ -33,7 +33,16 @@ from bench_workload import LONG_DELAY_US, Workload
 
 from hopsched.stats import LatenessStats
 
-__all__ = ["Progress", "Run", "Session", "measure_strategy", "run_burst", "run_workload"]
+__all__ = [
+    "Progress",
+    "Run",
+    "Session",
+    "ingest_lag",
+    "measure_strategy",
+    "publish_throughput",
+    "run_burst",
+    "run_workload",
+]
 
 _MB = 1024 * 1024
 _CONSUMER_SCRIPT = Path(__file__).resolve().parent / "bench_consumer.py"
@@ -279,12 +288,16 @@ async def _outcome(
     summary["broker_publishes_per_msg"] = round((sum(publishes) + sum(dead_letters)) / n, 3)
     summary.update(session.process_stats(cpu_before))
     if isinstance(strategy, Hopsched):
-        # The relay publishes every hop after the scheduler's first one, and the delivery.
-        relayed = sum(max(d.hops, 1) for d in delivered)
+        # The relay publishes every hop after the scheduler's first one, and the delivery
+        # (an ingress message: also its first hop, taken from the ingress queue).
+        relayed = sum(strategy.relayed(d.hops) for d in delivered)
         cpu_s = summary["process_cpu_s"]
         summary["relayed_msgs"] = relayed
         summary["relay_cpu_us_per_relayed_msg"] = (
             round(cpu_s * 1e6 / relayed, 1) if relayed else None
+        )
+        summary["relay_cpu_us_per_delivered_msg"] = (
+            round(cpu_s * 1e6 / len(delivered), 1) if delivered else None
         )
         summary["scheduler_cpu_s"] = round(schedule_cpu.cpu_s, 3)
         summary["scheduler_cpu_us_per_msg"] = schedule_cpu.us_per_call()
@@ -383,7 +396,31 @@ async def run_workload(
         # a hopsched measured through --hopsched-path may predate Ladder.description
         summary["ladder"] = getattr(strategy.settings.ladder, "description", None)
         summary["hops_by_decade"] = hops_by_decade(points, strategy.settings.hold_window_ms)
+    summary.update(ingest_lag(points))
     return Run(summary, points)
+
+
+def ingest_lag(points: list[tuple[int, Delivery]]) -> dict[str, Any]:
+    """For deliveries whose relay stamped its own due time beside the producer's (the
+    ingress row, ``Delivery.stamped_due_us``): the **ingest lag**, how long after its
+    publish the relay took the message (stamped due - producer's due - the rounding of the
+    delay up to whole ms in ``x-delay``), and the lateness measured from the relay's own
+    due time; percentiles in ms. Empty for the other rows."""
+    lag, relay_lateness = LatenessStats(), LatenessStats()
+    for delay_us, delivery in points:
+        if delivery.stamped_due_us is None:
+            continue
+        rounding_us = -(-delay_us // 1000) * 1000 - delay_us
+        lag.record(delivery.stamped_due_us - delivery.due_us - rounding_us)
+        relay_lateness.record(delivery.received_us - delivery.stamped_due_us)
+    if not lag.count:
+        return {}
+    fields: dict[str, Any] = {}
+    for name, stats in (("ingest_lag", lag), ("lateness_from_relay_due", relay_lateness)):
+        for pct, key in ((50, "p50"), (90, "p90"), (99, "p99")):
+            fields[f"{name}_{key}_ms"] = round(stats.percentile_ms(pct), 2)
+        fields[f"{name}_max_ms"] = round(stats.max_ms, 2)
+    return fields
 
 
 async def run_burst(
@@ -484,3 +521,112 @@ async def measure_strategy(
     if strategy.log_warnings:
         run.summary["process_log_warnings"] = strategy.log_warnings[:20]
     return run.summary, run
+
+
+#: The publish-throughput phase: how long a message waits (nothing comes due during it).
+THROUGHPUT_DELAY_US = 3600 * 1_000_000
+#: How long the phase waits for the strategy's process to take what was confirmed.
+_INGEST_TIMEOUT_S = 300.0
+
+
+async def publish_throughput(
+    session: Session,
+    count: int,
+    producers: int,
+    in_flight: int,
+    *,
+    tag: str,
+    progress: Progress,
+    payload_bytes: int = 64,
+) -> dict[str, Any] | None:
+    """Confirmed publish throughput into ``session``'s strategy: ``producers`` producers,
+    each on its own connection (``Strategy.open_producer``), publish ``count`` messages
+    between them (an equal share each), every one due in 1 h, each producer with up to
+    ``in_flight`` publishes awaiting their confirm; msgs/s from the first publish to the
+    last confirm. A strategy whose process takes the messages after the confirm (the
+    ingress: the relay schedules them from ``{prefix}.ingress``) is then waited for until
+    all are where they wait (``ingested_per_s``, from the same first publish), and its
+    process's CPU over the whole phase is divided by ``count``. None: the strategy has no
+    producers for this phase."""
+    strategy = session.strategy
+    opened = [await strategy.open_producer(index) for index in range(producers)]
+    made = [producer for producer in opened if producer is not None]
+    if not made:
+        return None
+    loop = asyncio.get_running_loop()
+    failures: list[str] = []
+    body = b"x" * payload_bytes
+    try:
+        ingested_before = await strategy.ingested_count()
+        cpu_before = session.process_cpu_s()
+        confirmed = 0
+
+        async def one(producer: Any, schedule_id: str) -> None:
+            nonlocal confirmed
+            try:
+                await producer.publish(schedule_id, THROUGHPUT_DELAY_US, body)
+                confirmed += 1
+            except Exception as error:
+                failures.append(f"{schedule_id}: {error!r}")
+
+        async def produce(index: int, producer: Any) -> None:
+            pipeline = Pipeline(in_flight)
+            for n in range(index, count, len(made)):
+                await pipeline.submit(one(producer, f"{tag}-tp-{n}"))
+            await pipeline.drain()
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(5)
+                progress.say(f"[{strategy.name}] publish throughput: confirmed {confirmed}/{count}")
+
+        reporter = asyncio.create_task(report())
+        started = loop.time()
+        try:
+            await asyncio.gather(*(produce(i, p) for i, p in enumerate(made)))
+        finally:
+            reporter.cancel()
+        confirmed_s = loop.time() - started
+        result: dict[str, Any] = {
+            "producers": len(made),
+            "in_flight_per_producer": in_flight,
+            "messages": count,
+            "confirmed": confirmed,
+            "failures": len(failures),
+            "delay_s": THROUGHPUT_DELAY_US / 1e6,
+            "confirmed_s": round(confirmed_s, 2),
+            "confirmed_per_s": round(confirmed / confirmed_s, 1),
+            "ingested_per_s": None,
+            "process_cpu_us_per_msg": None,
+        }
+        if ingested_before is not None:
+            deadline = started + _INGEST_TIMEOUT_S
+            ingested = 0
+            while loop.time() < deadline:
+                ingested = (await strategy.ingested_count() or 0) - ingested_before
+                if ingested >= confirmed:
+                    break
+                progress.say(
+                    f"[{strategy.name}] publish throughput: ingested {ingested}/{confirmed}"
+                )
+                await asyncio.sleep(0.1)
+            ingested_s = loop.time() - started
+            result["ingested"] = ingested
+            result["ingested_s"] = round(ingested_s, 2)
+            result["ingested_per_s"] = round(ingested / ingested_s, 1)
+        if session.sampler is not None:
+            cpu_s = session.process_cpu_s() - cpu_before
+            result["process_cpu_s"] = round(cpu_s, 2)
+            result["process_cpu_us_per_msg"] = round(cpu_s * 1e6 / max(1, confirmed), 1)
+        if failures:
+            result["failure_examples"] = failures[:5]
+        progress.say(
+            f"[{strategy.name}] publish throughput: {result['confirmed_per_s']:,} msgs/s "
+            f"confirmed ({len(made)} producers)",
+            force=True,
+        )
+        return result
+    finally:
+        for producer in made:
+            with contextlib.suppress(Exception):
+                await producer.close()

@@ -42,7 +42,9 @@ else:
 __all__ = [
     "BURST_BATCH",
     "STRATEGIES",
+    "HopschedIngress",
     "HopschedQuorum",
+    "Producer",
     "Strategy",
     "at_datetime",
     "make_strategy",
@@ -77,6 +79,44 @@ def relay_command(
     ]  # fmt: skip
 
 
+class Producer:
+    """One of several concurrent producers of the publish-throughput phase: its own
+    connection, publishing one confirmed message per ``publish`` call."""
+
+    async def publish(self, schedule_id: str, delay_us: int, body: bytes) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ChannelProducer(Producer):
+    """A producer on its own aio-pika connection and confirming channel, publishing as
+    the strategy's ``publish_on`` does."""
+
+    def __init__(self, strategy: Strategy, index: int) -> None:
+        self.strategy = strategy
+        self.index = index
+        self.connection: aio_pika.abc.AbstractConnection | None = None
+        self.channel: aio_pika.abc.AbstractChannel | None = None
+
+    async def open(self) -> _ChannelProducer:
+        self.connection = await aio_pika.connect(
+            self.strategy.node_url, name=f"bench-{self.strategy.name}-producer-{self.index}"
+        )
+        self.channel = await self.connection.channel(publisher_confirms=True)
+        return self
+
+    async def publish(self, schedule_id: str, delay_us: int, body: bytes) -> None:
+        assert self.channel is not None
+        await self.strategy.publish_on(self.channel, schedule_id, delay_us, body)
+
+    async def close(self) -> None:
+        if self.connection is not None:
+            await self.connection.close()
+            self.connection = None
+
+
 def at_datetime(due_us: int) -> datetime:
     """``due_us`` as an aware datetime, exactly (no float seconds on the way)."""
     return _EPOCH + timedelta(microseconds=due_us)
@@ -93,6 +133,8 @@ class Strategy:
     name: ClassVar[str]
     #: What ``broker publishes per delivered message`` counts for this strategy.
     counting: ClassVar[str]
+    #: Declare arguments of the target queue (durable classic without any).
+    target_arguments: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, url: str, run_id: str, prefetch: int) -> None:
         self.url = url  # hopsched's Settings.url: one node, or a cluster's comma-separated
@@ -119,7 +161,9 @@ class Strategy:
         """Connect, declare, start the strategy's process and wait until it consumes."""
         self.connection = await aio_pika.connect(self.node_url, name=f"bench-{self.name}")
         self.channel = await self.connection.channel(publisher_confirms=True)
-        await self.channel.declare_queue(self.target_queue, durable=True)
+        await self.channel.declare_queue(
+            self.target_queue, durable=True, arguments=self.target_arguments or None
+        )
         await self._declare(self.channel)
         await self._start_process()
 
@@ -213,6 +257,24 @@ class Strategy:
         """Publishes by clients (scheduler, relay, worker) for one delivered message."""
         return 1
 
+    async def publish_on(
+        self, channel: aio_pika.abc.AbstractChannel, schedule_id: str, delay_us: int, body: bytes
+    ) -> None:
+        """Publish one message due ``delay_us`` from now on ``channel`` (confirming), as
+        ``schedule`` does on the strategy's own: for the strategies that can give the
+        publish-throughput phase a producer per connection."""
+        raise NotImplementedError
+
+    async def open_producer(self, index: int) -> Producer | None:
+        """A producer of its own for the publish-throughput phase (its own connection);
+        None: this strategy is not measured there."""
+        return None
+
+    async def ingested_count(self) -> int | None:
+        """How many messages the strategy's process has taken from where producers
+        publish and put where they wait (None: nothing to wait for after the confirms)."""
+        return None
+
     async def stop_process(self) -> int | None:
         """SIGTERM the strategy's process and wait; its exit status."""
         if self.process is None:
@@ -275,7 +337,10 @@ class Hopsched(Strategy):
         )
         self.environment = ladder_environment(ladder or {})
         self.topology = hopsched.Topology.from_settings(self.settings)
-        self.queues += list(self.topology.queues())
+        # all_queues: the relay declares the ingress's queues too (a hopsched measured
+        # through --hopsched-path may predate them)
+        every = getattr(self.topology, "all_queues", self.topology.queues)
+        self.queues += list(every())
         self.exchanges.append(self.topology.expired_exchange)
         self.scheduler: hopsched.Scheduler | None = None
 
@@ -341,6 +406,14 @@ class Hopsched(Strategy):
         # hops 0: scheduler -> relay queue, relay -> target; else 1 + (hops - 1) + 1.
         return 2 if hops == 0 else hops + 1
 
+    def relayed(self, hops: int) -> int:
+        """Messages the relay takes for one delivered message: each hop's expiry into the
+        relay queue (the scheduler publishes the first hop), or 1 when it never hops."""
+        return max(hops, 1)
+
+    async def open_producer(self, index: int) -> Producer | None:
+        return await _SchedulerProducer(self, index).open()
+
     async def close(self) -> list[str]:
         if self.scheduler is not None:
             await self.scheduler.close()
@@ -348,9 +421,141 @@ class Hopsched(Strategy):
         return await super().close()
 
 
+class _SchedulerProducer(Producer):
+    """A producer of its own ``hopsched.Scheduler`` (its own connection): ``schedule()``."""
+
+    def __init__(self, strategy: Hopsched, index: int) -> None:
+        self.strategy = strategy
+        self.scheduler = hopsched.Scheduler(strategy.settings)
+
+    async def open(self) -> _SchedulerProducer:
+        await self.scheduler.__aenter__()
+        return self
+
+    async def publish(self, schedule_id: str, delay_us: int, body: bytes) -> None:
+        await self.scheduler.schedule(
+            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            delay=timedelta(microseconds=delay_us),
+            routing_key=self.strategy.target_queue,
+            schedule_id=schedule_id,
+        )
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+
+
 class HopschedQuorum(Hopsched):
     name = "hopsched-quorum"
     queue_type = "quorum"
+
+
+class HopschedIngress(Hopsched):
+    """hopsched's x-delay ingress (``hopsched.ingress``, docs/ingress.md): producers
+    publish as to the delayed-message plugin, to an exchange with an ``x-delay`` header
+    (ms), through aio-pika with confirms, as the ``delayed-exchange`` row does; the relay
+    (its own process, as for ``hopsched-quorum``) takes each message from
+    ``{prefix}.ingress``, schedules it and delivers it through ``{prefix}.due.E``, to
+    which the target queue is bound. Quorum ladder. Lateness is measured from the
+    producer's clock (``x-bench-due``, read just before publishing), as for the plugin,
+    not from the due time the relay stamps (``x-hopsched-due``, from when it took the
+    message on RabbitMQ 3.10/3.11)."""
+
+    name = "hopsched-ingress"
+    queue_type = "quorum"
+    counting = (
+        "client publishes: producer 1 (-> ingress queue) + relay (1 into the ladder, "
+        "hops - 1 re-publishes, 1 delivery; 1 when it never hops); dead-letters: 1 per hop"
+    )
+
+    def __init__(
+        self, url: str, run_id: str, prefetch: int, ladder: dict[str, int] | None = None
+    ) -> None:
+        super().__init__(url, run_id, prefetch, ladder)
+        self.exchange = f"{self.prefix}-delayed"  # what producers publish to
+        self.due_exchange = self.topology.due_exchange(self.exchange)
+        self.exchanges += [self.exchange, self.due_exchange]
+
+    async def open(self) -> None:
+        """The ladder and the relay as for ``hopsched-quorum``; then, once the relay has
+        declared ``{prefix}.ingress`` and consumes it, the ingress (type ``direct``, as the
+        plugin row's ``x-delayed-type``) and the target queue bound to its due exchange
+        by its own name, as it is bound to the plugin's exchange."""
+        await super().open()
+        await self._wait_consuming_queue(self.topology.ingress_queue)
+        from hopsched.ingress import Ingress
+        from hopsched.ingress_io import bind_to_due_exchange, declare_ingress
+
+        await declare_ingress(self.settings, Ingress(self.exchange, "direct"))
+        await bind_to_due_exchange(
+            self.settings, self.exchange, self.target_queue, routing_key=self.target_queue
+        )
+
+    async def _wait_consuming_queue(self, name: str) -> None:
+        assert self.connection is not None
+        deadline = asyncio.get_running_loop().time() + _READY_TIMEOUT_S
+        while asyncio.get_running_loop().time() < deadline:
+            async with self.connection.channel() as channel:
+                with contextlib.suppress(aiormq.exceptions.ChannelNotFoundEntity):
+                    queue = await channel.declare_queue(name, passive=True)
+                    if (queue.declaration_result.consumer_count or 0) > 0:
+                        return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{self.name}: no consumer on {name} after 30 s")
+
+    async def unavailable(self, *, burst: bool = False) -> str | None:
+        try:
+            from hopsched.ingress_io import declare_ingress  # noqa: F401
+        except ImportError as error:  # a hopsched from before the ingress (--hopsched-path)
+            return f"not available: this hopsched has no x-delay ingress ({error})"
+        return None
+
+    async def schedule(self, schedule_id: str, delay_us: int, body: bytes) -> None:
+        assert self.channel is not None
+        await self.publish_on(self.channel, schedule_id, delay_us, body)
+
+    async def schedule_at(self, schedule_id: str, due_us: int, body: bytes) -> None:
+        await self.schedule(schedule_id, due_us - now_us(), body)
+
+    async def schedule_burst(
+        self, ids: list[str], due_us: int, body: bytes
+    ) -> tuple[str, list[str]]:
+        return await Strategy.schedule_burst(self, ids, due_us, body)
+
+    async def publish_on(
+        self, channel: aio_pika.abc.AbstractChannel, schedule_id: str, delay_us: int, body: bytes
+    ) -> None:
+        delay_ms = -(-delay_us // 1000)  # as the plugin row: rounded up, never early
+        message = self.message(
+            schedule_id,
+            now_us() + delay_us,
+            body,
+            headers={"x-delay": delay_ms},
+            message_id=schedule_id,  # the schedule id the relay gives it
+        )
+        exchange = await channel.get_exchange(self.exchange, ensure=False)
+        await exchange.publish(message, routing_key=self.target_queue)
+
+    async def open_producer(self, index: int) -> Producer | None:
+        return await _ChannelProducer(self, index).open()
+
+    async def ingested_count(self) -> int | None:
+        """Messages in the step queues: a long-delayed message the relay has taken from
+        ``{prefix}.ingress`` waits there (its first hop) once its publish is confirmed."""
+        assert self.connection is not None
+        total = 0
+        async with self.connection.channel() as channel:
+            for name in self.topology.step_queues:
+                queue = await channel.declare_queue(name, passive=True)
+                total += queue.declaration_result.message_count or 0
+        return total
+
+    def client_publishes(self, hops: int) -> int:
+        # hops 0: producer -> ingress queue, relay -> target; else 1 + 1 + (hops - 1) + 1.
+        return 2 if hops == 0 else hops + 2
+
+    def relayed(self, hops: int) -> int:
+        # the ingress delivery, then each hop's expiry into the relay queue
+        return hops + 1
 
 
 class HopschedClassic(Hopsched):
@@ -561,6 +766,17 @@ class BrokerFloor(Strategy):
         return how, failures
 
 
+class BrokerFloorQuorum(BrokerFloor):
+    """The broker floor into a quorum target queue: the broker's own publish -> consume
+    time through a quorum queue (a message is delivered once its Raft log entry is
+    committed), the floor under the first leg of ``hopsched-ingress`` on RabbitMQ
+    3.10/3.11, whose delay starts when the relay takes the message from the quorum
+    queue ``{prefix}.ingress``."""
+
+    name = "broker-floor-quorum"
+    target_arguments: ClassVar[dict[str, Any]] = {"x-queue-type": "quorum"}
+
+
 class ConsumerHold(Strategy):
     """The Celery-ETA / Dramatiq way: a worker (``bench_hold_worker.py``, its own process)
     consumes at once, holds each message in memory until due, publishes it to the target
@@ -637,13 +853,21 @@ class DelayedExchange(Strategy):
 
     async def schedule(self, schedule_id: str, delay_us: int, body: bytes) -> None:
         assert self.channel is not None
+        await self.publish_on(self.channel, schedule_id, delay_us, body)
+
+    async def publish_on(
+        self, channel: aio_pika.abc.AbstractChannel, schedule_id: str, delay_us: int, body: bytes
+    ) -> None:
         delay_ms = -(-delay_us // 1000)
         message = self.message(
             schedule_id, now_us() + delay_us, body, headers={"x-delay": delay_ms}
         )
-        exchange = await self.channel.get_exchange(self.exchange, ensure=False)
+        exchange = await channel.get_exchange(self.exchange, ensure=False)
         # not mandatory: the plugin returns every delayed message as unroutable at publish
         await exchange.publish(message, routing_key=self.target_queue, mandatory=False)
+
+    async def open_producer(self, index: int) -> Producer | None:
+        return await _ChannelProducer(self, index).open()
 
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -651,11 +875,13 @@ STRATEGIES: dict[str, type[Strategy]] = {
     for cls in (
         HopschedQuorum,
         HopschedClassic,
+        HopschedIngress,
         PerMessageTtl,
         SecondsLadder,
         ConsumerHold,
         DelayedExchange,
         BrokerFloor,
+        BrokerFloorQuorum,
     )
 }
 

@@ -131,6 +131,43 @@ def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: P
         assert (plots / name).stat().st_size > 0
 
 
+def test_tiny_ingress_run_measures_lateness_relay_cpu_and_publish_throughput(
+    broker_url: str, tmp_path: Path
+) -> None:
+    """The ``hopsched-ingress`` row: producers publish with ``x-delay`` to an ingress
+    exchange, the relay delivers through the due exchange to the target queue; every
+    message once, never early, with the relay's CPU per message; and the
+    publish-throughput phase with several producers, the relay waited for until it has
+    taken them all. No plugin needed; the plugin's row is reported, available or not."""
+    out = tmp_path / "out.json"
+    command = [
+        sys.executable, str(SCRIPT),
+        "--count", "20", "--rate", "50", "--delays", "loguniform:10ms:2s",
+        "--strategies", "hopsched-ingress,delayed-exchange",
+        "--publish-throughput", "60", "--producers", "3", "--producer-in-flight", "5",
+        "--url", broker_url, "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    strategies = json.loads(out.read_text())["strategies"]
+    row = strategies["hopsched-ingress"]
+    missing = [field for field in (*FIELDS, *HOPSCHED_FIELDS) if field not in row]
+    assert not missing, f"hopsched-ingress lacks {missing}"
+    assert (row["scheduled"], row["delivered"], row["lost"], row["early"]) == (20, 20, 0, 0)
+    assert (row["duplicates"], row["strays"]) == (0, 0)
+    assert row["relayed_msgs"] >= 20  # each message is taken from the ingress queue
+    assert row["relay_cpu_us_per_delivered_msg"] > 0
+    assert "cleanup_problems" not in row
+    published = row["publish_throughput"]
+    assert published["producers"] == 3
+    assert (published["confirmed"], published["failures"]) == (60, 0)
+    assert published["ingested"] == 60  # all taken by the relay into the step queues
+    assert published["confirmed_per_s"] > 0
+    assert published["ingested_per_s"] > 0
+    assert "delayed-exchange" in strategies  # available or not
+    assert "| hopsched-ingress | 60 | 0 |" in result.stdout  # the throughput table
+
+
 def test_tiny_burst_run_reports_first_and_last_delivery(broker_url: str, tmp_path: Path) -> None:
     """Two small bursts through hopsched and the broker floor, measuring a copy of this
     repository's hopsched through --hopsched-path as an earlier checkout would be."""
