@@ -245,7 +245,11 @@ class Scheduler:
         return self._connector.node
 
     async def __aenter__(self) -> Scheduler:
-        await self._connected()
+        try:
+            await self._connected()
+        except BaseException:  # Ctrl-C mid-connect: end the connect here, not at shutdown
+            await self.close()
+            raise
         return self
 
     async def __aexit__(

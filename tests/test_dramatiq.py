@@ -163,9 +163,11 @@ async def send(actor: Any, *args: Any, **options: Any) -> dramatiq.Message[Any]:
 async def test_delayed_messages_arrive_once_when_due_on_the_actor_queue(
     setup: Setup, amqp: Any
 ) -> None:
-    sent = await send(setup.record, 1, "two", kwargs={"three": [3]}, delay=1000, broker_priority=5)
-    later = await send(setup.record, "later", delay=1500)
+    # The delays leave seconds for the sends and the checks below on a loaded machine (with
+    # 1 s, one came before the undelayed one was even sent).
     now = await send(setup.record, "now")
+    sent = await send(setup.record, 1, "two", kwargs={"three": [3]}, delay=4000, broker_priority=5)
+    later = await send(setup.record, "later", delay=4500)
     due_us = {m.message_id: m.options["eta"] * 1000 for m in (sent, later)}
 
     first = await setup.runs.wait_for(1)
