@@ -1,4 +1,5 @@
-"""What a hop's arrival at the relay says: how late the broker dead-letters (the
+"""What a hop's arrival at the relay says: how far the relay's clock is off the broker's
+(its x-death time, ``hopsched.broker_clock``), how late the broker dead-letters (the
 overshoot, which sets the hop margin) and, from a producer's first hop, how far that
 producer's clock is off the relay's.
 
@@ -13,6 +14,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from hopsched.broker_clock import BrokerClock
+from hopsched.clock import now_us
 from hopsched.envelope import (
     HEADER_HOP_CLOCK,
     HEADER_HOP_EXPIRES,
@@ -35,7 +38,7 @@ QUEUED_TOO_LONG_US = 2_000_000
 
 
 class HopTiming:
-    """Times each arriving hop into ``stats`` and ``overshoot``.
+    """Times each arriving hop into ``broker_clock``, ``stats`` and ``overshoot``.
 
     Args:
         stats: the relay's counters (overshoot samples, producers' clock offsets).
@@ -43,12 +46,67 @@ class HopTiming:
         cap_us: the largest overshoot sample taken, µs (the hold window: the margin is
             capped there anyway, and one absurd value, a relay down for hours, must not
             pin it there for minutes).
+        broker_clock: the relay's clock corrected by its offset from the broker's
+            (default: a ``BrokerClock`` of the wall clock).
     """
 
-    def __init__(self, stats: RelayStats, overshoot: OvershootTracker, cap_us: int) -> None:
+    def __init__(
+        self,
+        stats: RelayStats,
+        overshoot: OvershootTracker,
+        cap_us: int,
+        broker_clock: BrokerClock | None = None,
+    ) -> None:
         self.stats = stats
         self.overshoot = overshoot
         self.cap_us = cap_us
+        self.broker_clock = broker_clock or BrokerClock(now_us)
+        self._skew_reported: str | None = None  # this log interval's, "ahead"/"behind"
+
+    def observe_broker(self, headers: Mapping[str, Any]) -> None:
+        """Before anything is decided about a hop just received: its x-death time against
+        the relay's own clock (``BrokerClock.record``). A hop the relay stamped that
+        evidently waited in the relay queue (arrived over ``QUEUED_TOO_LONG_US`` past its
+        TTL's end, both by the relay's clock, so whatever its offset) is no sample: a
+        backlog would look like a clock ahead. Logs an ERROR (ahead: corrected) or a
+        WARNING (behind) the first time in a log interval the estimate is past the
+        threshold."""
+        died = dead_lettered_us(headers)
+        if died is None or dead_letter_reason(headers) != "expired":
+            return
+        clock = self.broker_clock
+        expires = headers.get(HEADER_HOP_EXPIRES)
+        if (
+            headers.get(HEADER_HOP_CLOCK) == RELAY_CLOCK
+            and type(expires) is int
+            and clock() - expires > QUEUED_TOO_LONG_US
+        ):
+            return
+        clock.record(died)
+        skew = clock.skew
+        self.stats.relay_clock_offset_us = clock.offset_us
+        if skew is None or skew == self._skew_reported:
+            return
+        self._skew_reported = skew
+        offset_s = (clock.offset_us or 0) / 1_000_000
+        if skew == "ahead":
+            log.error(
+                "the relay's clock is %+.1f s off the broker's (ahead, by the x-death times "
+                "the broker writes): it would deliver that early; it waits the offset out, "
+                "but run NTP on the relay's host",
+                offset_s,
+            )
+        else:
+            log.warning(
+                "the relay's clock is %+.1f s off the broker's (behind, by the x-death times "
+                "the broker writes): every message is delivered that late; run NTP on the "
+                "relay's host (producers' clocks are measured against the broker's)",
+                offset_s,
+            )
+
+    def new_interval(self) -> None:
+        """A new log interval: the clock's skew is logged again if it is still there."""
+        self._skew_reported = None
 
     def measure(self, headers: Mapping[str, Any], now: int) -> None:
         """A hop's overshoot (arrival ``now`` - its TTL's end, µs) from the relay's own
@@ -68,13 +126,22 @@ class HopTiming:
             died = dead_lettered_us(headers)
             if died is None or now - died > QUEUED_TOO_LONG_US:
                 return  # it waited in the relay queue (a backlog, no relay): not a clock
+            # A relay behind the broker (not corrected) makes every producer look ahead
+            # by its offset: measure the producers against the broker's clock then.
+            behind = self.broker_clock.skew == "behind"
+            relay_offset = self.broker_clock.offset_us or 0
             offset = self.stats.record_clock_sample(
-                clock, sample, waited_up_to_us=QUEUED_TOO_LONG_US
+                clock,
+                sample - relay_offset if behind else sample,
+                waited_up_to_us=QUEUED_TOO_LONG_US,
+                # the relay's offset is known to the second only
+                resolution_us=1_000_000 if behind else 0,
             )
             if offset is not None:
                 log.warning(
-                    "producer %s's clock seems %+.1f s off the relay's: its due times are "
+                    "producer %s's clock seems %+.1f s off the %s's: its due times are "
                     "read by the relay's clock and shift by as much (run NTP on it)",
                     clock,
                     offset / 1_000_000,
+                    "broker" if behind else "relay",
                 )

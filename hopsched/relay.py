@@ -29,6 +29,7 @@ from pamqp import commands
 
 from hopsched import amqp
 from hopsched.acks import Acker
+from hopsched.broker_clock import BrokerClock
 from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
@@ -128,7 +129,11 @@ class Relay:
         self.ladder = settings.ladder
         self.topology = Topology.from_settings(settings)
         self.stats = RelayStats(held_now=self._held_now, in_flight_now=self._in_flight_now)
-        self.clock = clock
+        #: the relay's clock less its offset from the broker's once that is past +2 s
+        #: (``hopsched.broker_clock``): every decision reads it; ``raw_clock`` is ``clock``.
+        self.raw_clock = clock
+        self.broker_clock = BrokerClock(clock)
+        self.clock: Callable[[], int] = self.broker_clock
         self.decider = Decider(
             self.ladder,
             settings.login,
@@ -137,14 +142,16 @@ class Relay:
             settings.signatures,
         )
         self.overshoot = OvershootTracker()
-        self.hop_timing = HopTiming(self.stats, self.overshoot, settings.hold_window_ms * US_PER_MS)
+        self.hop_timing = HopTiming(
+            self.stats, self.overshoot, settings.hold_window_ms * US_PER_MS, self.broker_clock
+        )
         #: Steps whose queues nacked a hop lately (a leader election): routed around.
         self.avoided = AvoidedSteps()
         self.cancellations = Cancellations(CANCEL_RETENTION_US)
         self.cancel_reader = CancelReader(
             self.topology.cancel_stream,
             self.cancellations,
-            clock,
+            self.clock,
             settings.signatures,
             self.stats.record_tally,
         )
@@ -335,6 +342,7 @@ class Relay:
         self.cancellations.forget(self.clock())
         for line in self.stats.report(now - since):
             log.info("%s", line)
+        self.hop_timing.new_interval()
 
 
 class _Final:
@@ -374,7 +382,13 @@ class _Session:
             self.publisher, self.topology.journal_stream, self.stats.record_journal
         )
         self.refresh_ms = refresh_step_ms(relay.ladder.max_step_ms)
-        self.holds = Holds(self.clock, self._release, wall_timer=self.clock is now_us)
+        broker_clock = relay.broker_clock
+        self.holds = Holds(
+            self.clock,
+            self._release,
+            wall_timer=relay.raw_clock is now_us,
+            wall_lag=lambda: broker_clock.correction_us,
+        )
         self.held_bytes = 0
         prefetch = self.settings.prefetch
         self.held_limit = max(1, prefetch - max(1, prefetch // 10))
@@ -671,8 +685,10 @@ class _Session:
         if properties is None:
             self.detours.park_as_is(delivery)
             return
-        now = self.clock()
         headers: Mapping[str, Any] = properties.headers or {}
+        if not nacks and not again:  # its x-death time first: the clock's offset, if new
+            self.relay.hop_timing.observe_broker(headers)
+        now = self.clock()
         if not nacks and not again:
             self.relay.hop_timing.measure(headers, now)
             if delivery.redelivered and HEADER_RULE in headers:
