@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aio_pika
@@ -67,7 +67,7 @@ class FakedRelay:
     async def start(self) -> None:
         assert LIBFAKETIME is not None
         env = dict(os.environ) | {
-            "HOPSCHED_URL": self.settings.url,
+            "HOPSCHED_URL": str(self.settings.url),
             "HOPSCHED_PREFIX": self.settings.prefix,
             "HOPSCHED_QUEUE_TYPE": self.settings.queue_type,
             "HOPSCHED_METRICS_PORT": str(self.metrics_port),
@@ -116,7 +116,7 @@ async def faked_relays() -> AsyncIterator[list[FakedRelay]]:
 
 
 async def _run(
-    node: PrivateBroker, relays: list[FakedRelay], offset: str, delays_s: list[float]
+    node: PrivateBroker, relays: list[FakedRelay], offset: str, delays_s: Sequence[float]
 ) -> tuple[FakedRelay, list[int]]:
     """Start a relay ``offset`` off, schedule ``delays_s`` at true time, and return it with
     each message's lateness by the true clock, µs."""
