@@ -80,6 +80,11 @@ class Holds:
         else:
             self._timer = self._loop.call_soon(self._fire)
 
+    def rearm(self) -> None:
+        """Arm the timer again for the earliest item: ``wall_lag`` changed."""
+        if self._heap:
+            self._arm(self._heap[0][0])
+
     def _fire(self) -> None:
         self._timer = None
         self._armed_for = None

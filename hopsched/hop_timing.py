@@ -63,30 +63,33 @@ class HopTiming:
         self.broker_clock = broker_clock or BrokerClock(now_us)
         self._skew_reported: str | None = None  # this log interval's, "ahead"/"behind"
 
-    def observe_broker(self, headers: Mapping[str, Any]) -> None:
+    def observe_broker(self, headers: Mapping[str, Any], *, backlog: bool = False) -> bool:
         """Before anything is decided about a hop just received: its x-death time against
         the relay's own clock (``BrokerClock.record``). A hop the relay stamped that
         evidently waited in the relay queue (arrived over ``QUEUED_TOO_LONG_US`` past its
         TTL's end, both by the relay's clock, so whatever its offset) is no sample: a
-        backlog would look like a clock ahead. Logs an ERROR (ahead: corrected) or a
-        WARNING (behind) the first time in a log interval the estimate is past the
-        threshold."""
+        backlog would look like a clock ahead; nor, with ``backlog`` (it was in the relay
+        queue when the relay began consuming, or is redelivered), is one it did not stamp:
+        its wait cannot be told. Returns whether the correction changed. Logs an ERROR
+        (ahead: corrected) or a WARNING (behind) the first time in a log interval the
+        estimate is past the threshold."""
         died = dead_lettered_us(headers)
         if died is None or dead_letter_reason(headers) != "expired":
-            return
+            return False
         clock = self.broker_clock
         expires = headers.get(HEADER_HOP_EXPIRES)
-        if (
-            headers.get(HEADER_HOP_CLOCK) == RELAY_CLOCK
-            and type(expires) is int
-            and clock() - expires > QUEUED_TOO_LONG_US
-        ):
-            return
+        if headers.get(HEADER_HOP_CLOCK) == RELAY_CLOCK and type(expires) is int:
+            if clock() - expires > QUEUED_TOO_LONG_US:
+                return False
+        elif backlog:
+            return False
+        correction = clock.correction_us
         clock.record(died)
+        changed = clock.correction_us != correction
         skew = clock.skew
         self.stats.relay_clock_offset_us = clock.offset_us
         if skew is None or skew == self._skew_reported:
-            return
+            return changed
         self._skew_reported = skew
         offset_s = (clock.offset_us or 0) / 1_000_000
         if skew == "ahead":
@@ -103,6 +106,7 @@ class HopTiming:
                 "relay's host (producers' clocks are measured against the broker's)",
                 offset_s,
             )
+        return changed
 
     def new_interval(self) -> None:
         """A new log interval: the clock's skew is logged again if it is still there."""

@@ -390,6 +390,9 @@ class _Session:
             wall_lag=lambda: broker_clock.correction_us,
         )
         self.held_bytes = 0
+        #: deliveries from ``{prefix}.relay`` still to come of those there when consuming
+        #: began (``HopTiming.observe_broker``'s ``backlog``)
+        self.backlog = 0
         prefetch = self.settings.prefetch
         self.held_limit = max(1, prefetch - max(1, prefetch // 10))
         self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
@@ -523,6 +526,13 @@ class _Session:
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
         """Consume ``{prefix}.relay`` and ``{prefix}.ingress`` on ``channel``; their tags."""
         tags = []
+        # What waits in the relay queue already is a backlog: a hop from it that the relay
+        # did not stamp cannot show whether it waited, so it is no sample of the clock.
+        declared = await channel.call(
+            commands.Queue.Declare(queue=self.topology.relay_queue, passive=True)
+        )
+        if isinstance(declared, commands.Queue.DeclareOk):
+            self.backlog = declared.message_count or 0
         for queue, callback in (
             (self.topology.relay_queue, self._received),
             (self.topology.ingress_queue, self._ingested),
@@ -687,7 +697,10 @@ class _Session:
             return
         headers: Mapping[str, Any] = properties.headers or {}
         if not nacks and not again:  # its x-death time first: the clock's offset, if new
-            self.relay.hop_timing.observe_broker(headers)
+            backlog = self.backlog > 0 or delivery.redelivered
+            self.backlog -= 1
+            if self.relay.hop_timing.observe_broker(headers, backlog=backlog):
+                self.holds.rearm()  # the correction changed: the timer's instant too
         now = self.clock()
         if not nacks and not again:
             self.relay.hop_timing.measure(headers, now)

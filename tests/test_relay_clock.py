@@ -52,7 +52,8 @@ def _free_port() -> int:
 
 
 class FakedRelay:
-    """``hopsched relay`` in a subprocess whose clock is ``offset`` off (libfaketime)."""
+    """``hopsched relay`` in a subprocess whose clock is ``offset`` off (libfaketime; ``""``:
+    the true clock)."""
 
     def __init__(self, settings: hopsched.Settings, offset: str, metrics_port: int) -> None:
         self.settings, self.offset, self.metrics_port = settings, offset, metrics_port
@@ -65,16 +66,16 @@ class FakedRelay:
         return "".join(self.lines)
 
     async def start(self) -> None:
-        assert LIBFAKETIME is not None
+        assert LIBFAKETIME is not None or not self.offset
         env = dict(os.environ) | {
             "HOPSCHED_URL": str(self.settings.url),
             "HOPSCHED_PREFIX": self.settings.prefix,
             "HOPSCHED_QUEUE_TYPE": self.settings.queue_type,
             "HOPSCHED_METRICS_PORT": str(self.metrics_port),
             "HOPSCHED_LOG_INTERVAL_S": "5",
-            "LD_PRELOAD": LIBFAKETIME,
-            "FAKETIME": self.offset,
         }
+        if self.offset:
+            env |= {"LD_PRELOAD": LIBFAKETIME, "FAKETIME": self.offset}
         self._process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "hopsched", "relay", env=env, stderr=asyncio.subprocess.PIPE
         )
@@ -178,3 +179,37 @@ async def test_F41_a_relay_30_s_behind_is_warned_about_not_the_producers(
     assert "relay's clock is -2" in warnings[0] or "relay's clock is -3" in warnings[0]
     assert "clock seems" not in relay.log, relay.log  # no producer blamed
     assert -31 < relay.metric("hopsched_relay_clock_offset_seconds") <= -28
+
+
+async def test_F41_hops_that_waited_for_a_relay_do_not_look_like_a_clock_ahead(
+    private_broker: PrivateBroker, faked_relays: list[FakedRelay]
+) -> None:
+    """No relay runs while the producer's first hops (16.4 s) end: they wait 5 s in the
+    relay queue. A relay then started, at true time, must not take that wait for its
+    clock being ahead (and plan the rest 5 s too long)."""
+    node = private_broker
+    settings = hopsched.Settings(url=node.url, prefix=unique())
+    connection = await aio_pika.connect(node.url)
+    try:
+        channel = await connection.channel()
+        target = Collector(unique("target"))
+        queue = await channel.declare_queue(target.name, auto_delete=True)
+        underlay = await channel.get_underlay_channel()
+        await underlay.basic_consume(queue.name, target.on_message, no_ack=True)
+        async with hopsched.Scheduler(settings, declare=True) as scheduler:
+            for _ in range(10):
+                await scheduler.schedule(unique("m").encode(), delay=24, routing_key=target.name)
+        await asyncio.sleep(21.5)
+        relay = FakedRelay(settings, "", _free_port())
+        faked_relays.append(relay)
+        await relay.start()
+        received = await target.wait_for(10, within=30)
+        lateness = [message.lateness_us for message in received]
+    finally:
+        with contextlib.suppress(Exception):
+            await connection.close()
+    print(f"F41 backlog: lateness {min(lateness) / S:+.3f} to {max(lateness) / S:+.3f} s")
+    assert min(lateness) >= 0
+    assert max(lateness) < 1.5 * S, relay.log
+    assert "off the broker's" not in relay.log, relay.log
+    assert not relay.metric("hopsched_relay_clock_offset_seconds") >= 2  # NaN: no sample
