@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 __all__ = [
     "CLOCK_SKEW_THRESHOLD_US",
+    "RESOLUTION_US",
     "SAMPLE_WINDOW_US",
     "BrokerClock",
     "OffsetEstimator",
@@ -34,6 +35,9 @@ __all__ = [
 #: way, is reported (ahead: an ERROR and the correction; behind: a WARNING). Two
 #: seconds: one for the x-death time's whole seconds, one for queueing and the broker.
 CLOCK_SKEW_THRESHOLD_US = 2_000_000
+
+#: The x-death time's resolution (µs): whole seconds.
+RESOLUTION_US = 1_000_000
 
 #: Samples count for this long (µs, by the relay's clock) after a newer one: a clock
 #: set right (NTP) is seen within a minute, and a relay with no traffic keeps its last
@@ -98,7 +102,13 @@ class BrokerClock:
         """A hop dead-lettered at ``died_us`` by the broker reached the relay now (or at
         ``received_us``, the raw clock)."""
         self.estimator.record(self.raw() if received_us is None else received_us, died_us)
-        self.correction_us = correction_us(self.estimator.estimate_us, self.threshold_us)
+        wanted = correction_us(self.estimator.estimate_us, self.threshold_us)
+        # Down at once (a smaller sample bounds the offset better); up only by more than
+        # the resolution (a clock stepped ahead): the estimate rises by a fraction of a
+        # second as its smallest sample leaves the window, and each rise makes the hops in
+        # the steps, stamped by the corrected clock, seem back early.
+        if wanted < self.correction_us or wanted > self.correction_us + RESOLUTION_US:
+            self.correction_us = wanted
 
     @property
     def offset_us(self) -> int | None:

@@ -62,15 +62,22 @@ class HopTiming:
         self.cap_us = cap_us
         self.broker_clock = broker_clock or BrokerClock(now_us)
         self._skew_reported: str | None = None  # this log interval's, "ahead"/"behind"
+        self._own_sample = False  # a prompt hop the relay stamped was sampled
 
-    def observe_broker(self, headers: Mapping[str, Any], *, backlog: bool = False) -> bool:
+    def observe_broker(
+        self, headers: Mapping[str, Any], *, backlog: bool = False, crowded: bool = False
+    ) -> bool:
         """Before anything is decided about a hop just received: its x-death time against
         the relay's own clock (``BrokerClock.record``). A hop the relay stamped that
         evidently waited in the relay queue (arrived over ``QUEUED_TOO_LONG_US`` past its
         TTL's end, both by the relay's clock, so whatever its offset) is no sample: a
-        backlog would look like a clock ahead; nor, with ``backlog`` (it was in the relay
-        queue when the relay began consuming, or is redelivered), is one it did not stamp:
-        its wait cannot be told. Returns whether the correction changed. Logs an ERROR
+        backlog would look like a clock ahead. A hop it did not stamp (a producer's first
+        hop) cannot show whether it waited: it is a sample only until the relay's first
+        prompt hop of its own, and not with ``backlog`` (it was in the relay queue when
+        the relay began consuming, or is redelivered) nor ``crowded`` (the relay holds
+        unacked half its prefetch: its queue may back up). A crowded relay took its
+        queue's wait for a clock 2.1 s ahead without the last rule, and parked hops that
+        then seemed back early. Returns whether the correction changed. Logs an ERROR
         (ahead: corrected) or a WARNING (behind) the first time in a log interval the
         estimate is past the threshold."""
         died = dead_lettered_us(headers)
@@ -81,7 +88,8 @@ class HopTiming:
         if headers.get(HEADER_HOP_CLOCK) == RELAY_CLOCK and type(expires) is int:
             if clock() - expires > QUEUED_TOO_LONG_US:
                 return False
-        elif backlog:
+            self._own_sample = True
+        elif backlog or crowded or self._own_sample:
             return False
         correction = clock.correction_us
         clock.record(died)

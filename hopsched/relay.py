@@ -699,7 +699,8 @@ class _Session:
         if not nacks and not again:  # its x-death time first: the clock's offset, if new
             backlog = self.backlog > 0 or delivery.redelivered
             self.backlog -= 1
-            if self.relay.hop_timing.observe_broker(headers, backlog=backlog):
+            crowded = len(self.acker) >= self.settings.prefetch // 2
+            if self.relay.hop_timing.observe_broker(headers, backlog=backlog, crowded=crowded):
                 self.holds.rearm()  # the correction changed: the timer's instant too
         now = self.clock()
         if not nacks and not again:

@@ -132,3 +132,23 @@ def test_never_under_corrects_a_clock_ahead(
         assert clock() <= true_now
     else:  # not corrected: off by the offset only, at most the threshold ahead
         assert clock() - true_now <= CLOCK_SKEW_THRESHOLD_US
+
+
+def test_the_correction_falls_at_once_and_rises_only_past_the_resolution() -> None:
+    raw = [0]
+    clock = BrokerClock(lambda: raw[0])
+    clock.estimator.window_us = 10 * S
+
+    def sample(received_us: int, died_us: int) -> None:
+        raw[0] = received_us
+        clock.record(died_us)
+
+    sample(T0 + 30 * S + 100_000, T0)
+    assert clock.correction_us == 30 * S + 100_000
+    sample(T0 + 40 * S + 900_000, T0 + 10 * S)  # the first left the window: +30.9 s
+    assert clock.correction_us == 30 * S + 100_000  # a fraction more: not followed
+    sample(T0 + 50 * S + 50_000, T0 + 20 * S)
+    assert clock.correction_us == 30 * S + 50_000  # less: followed
+    sample(T0 + 65 * S, T0 + 30 * S)  # stepped 5 s further ahead
+    sample(T0 + 75 * S, T0 + 40 * S)
+    assert clock.correction_us == 35 * S

@@ -75,3 +75,18 @@ def test_a_hop_the_relay_stamped_that_waited_in_the_relay_queue_is_no_sample() -
     raw[0] = T0 + 1_000  # a prompt one counts
     timing.observe_broker(_hop(T0, T0))
     assert timing.broker_clock.offset_us == 1_000
+
+
+def test_a_producers_hop_is_no_sample_once_the_relay_has_its_own_or_when_crowded() -> None:
+    raw = [T0 + 3 * S]  # a healthy clock; the producer's hop waited 3 s in the relay queue
+    timing = _timing(raw)
+    timing.observe_broker(_hop(T0, T0, clock="host/1"), crowded=True)
+    timing.observe_broker(_hop(T0, T0, clock="host/1"), backlog=True)
+    assert timing.broker_clock.offset_us is None
+    raw[0] = T0 + 10 * S + 2_000  # the relay's own hop, prompt
+    timing.observe_broker(_hop(T0 + 10 * S, T0 + 10 * S))
+    assert timing.broker_clock.offset_us == 2_000
+    raw[0] = T0 + 23 * S  # a producer's, 3 s after its x-death: waited, or a clock?
+    timing.observe_broker(_hop(T0 + 20 * S, T0 + 20 * S, clock="host/1"))
+    assert timing.broker_clock.offset_us == 2_000
+    assert timing.broker_clock.correction_us == 0
