@@ -26,7 +26,7 @@ from hopsched.envelope import (
 from hopsched.overshoot import OvershootTracker
 from hopsched.stats import RelayStats
 
-__all__ = ["QUEUED_TOO_LONG_US", "HopTiming"]
+__all__ = ["PROMPT_HOP_US", "QUEUED_TOO_LONG_US", "HopTiming"]
 
 log = logging.getLogger("hopsched.relay")
 
@@ -35,6 +35,15 @@ log = logging.getLogger("hopsched.relay")
 #: producer's clock. Two seconds: one for the rounding, one for the clocks of broker and
 #: relay.
 QUEUED_TOO_LONG_US = 2_000_000
+
+
+#: A hop the relay stamped that arrives more than this (µs) after its TTL's end by the
+#: relay's clock (overshoot plus its wait in the relay queue) is no sample of the clock's
+#: offset: a sample exceeds the offset by that wait plus the x-death time's dropped
+#: fraction (up to 1 s), and 0.5 + 1 s stays below the 2 s threshold. The broker's
+#: overshoot is a few to a hundred ms (docs/guarantees.md). A crowded relay whose hops
+#: waited 1-2 s there seemed 2.2 s ahead with the 2 s bound of ``QUEUED_TOO_LONG_US``.
+PROMPT_HOP_US = 500_000
 
 
 class HopTiming:
@@ -69,13 +78,13 @@ class HopTiming:
     ) -> bool:
         """Before anything is decided about a hop just received: its x-death time against
         the relay's own clock (``BrokerClock.record``). A hop the relay stamped that
-        evidently waited in the relay queue (arrived over ``QUEUED_TOO_LONG_US`` past its
-        TTL's end, both by the relay's clock, so whatever its offset) is no sample: a
-        backlog would look like a clock ahead. A hop it did not stamp (a producer's first
+        may have waited in the relay queue (arrived over ``PROMPT_HOP_US`` past its TTL's
+        end, both by the relay's clock, so whatever its offset) is no sample: a backlog
+        would look like a clock ahead. A hop it did not stamp (a producer's first
         hop) cannot show whether it waited: it is a sample only until the relay's first
         prompt hop of its own, and not with ``backlog`` (it was in the relay queue when
-        the relay began consuming, or is redelivered) nor ``crowded`` (the relay holds
-        unacked half its prefetch: its queue may back up). A crowded relay took its
+        the relay began consuming, or is redelivered) nor ``crowded`` (the relay held
+        unacked half its prefetch lately: its queue may back up). A crowded relay took its
         queue's wait for a clock 2.1 s ahead without the last rule, and parked hops that
         then seemed back early. Returns whether the correction changed. Logs an ERROR
         (ahead: corrected) or a WARNING (behind) the first time in a log interval the
@@ -86,7 +95,7 @@ class HopTiming:
         clock = self.broker_clock
         expires = headers.get(HEADER_HOP_EXPIRES)
         if headers.get(HEADER_HOP_CLOCK) == RELAY_CLOCK and type(expires) is int:
-            if clock() - expires > QUEUED_TOO_LONG_US:
+            if clock() - expires > PROMPT_HOP_US:
                 return False
             self._own_sample = True
         elif backlog or crowded or self._own_sample:

@@ -96,6 +96,10 @@ _HELD_OVERHEAD = 600
 #: lane at the broker's pace (see docs/guarantees.md for the figures).
 LANE_WINDOW = 256
 
+#: A relay that held half its prefetch unacked (its queue may back up) takes no clock
+#: sample from a producer's hop for this long after, s (``HopTiming.observe_broker``).
+CROWDED_MEMORY_S = 60.0
+
 
 class Relay:
     """The relay daemon. ``await relay.run()`` until ``await relay.stop()``.
@@ -393,6 +397,9 @@ class _Session:
         #: deliveries from ``{prefix}.relay`` still to come of those there when consuming
         #: began (``HopTiming.observe_broker``'s ``backlog``)
         self.backlog = 0
+        #: when it last held half its prefetch unacked (time.monotonic()): its queue may
+        #: have backed up since, and a producer's hop waited there
+        self.crowded_at = -math.inf
         prefetch = self.settings.prefetch
         self.held_limit = max(1, prefetch - max(1, prefetch // 10))
         self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
@@ -699,7 +706,9 @@ class _Session:
         if not nacks and not again:  # its x-death time first: the clock's offset, if new
             backlog = self.backlog > 0 or delivery.redelivered
             self.backlog -= 1
-            crowded = len(self.acker) >= self.settings.prefetch // 2
+            if len(self.acker) >= max(1, self.settings.prefetch // 2):
+                self.crowded_at = time.monotonic()
+            crowded = time.monotonic() - self.crowded_at < CROWDED_MEMORY_S
             if self.relay.hop_timing.observe_broker(headers, backlog=backlog, crowded=crowded):
                 self.holds.rearm()  # the correction changed: the timer's instant too
         now = self.clock()
