@@ -36,12 +36,21 @@ class Holds:
         release: called with each item once due.
         wall_timer: use the ``timerfd`` timer where there is one (it reads the real
             wall clock: a test's fake ``clock`` needs asyncio's timers).
+        wall_lag: how far ``clock`` is behind the wall clock now, µs (the relay's
+            correction for a clock ahead of the broker's, ``hopsched.broker_clock``): the
+            ``timerfd`` timer is armed that much later.
     """
 
     def __init__(
-        self, clock: Callable[[], int], release: Callable[[Any], None], *, wall_timer: bool = True
+        self,
+        clock: Callable[[], int],
+        release: Callable[[Any], None],
+        *,
+        wall_timer: bool = True,
+        wall_lag: Callable[[], int] = lambda: 0,
     ) -> None:
         self._clock = clock
+        self._wall_lag = wall_lag
         self._release = release
         self._loop = asyncio.get_running_loop()
         self._heap: list[tuple[int, int, Any]] = []
@@ -61,7 +70,7 @@ class Holds:
     def _arm(self, due_us: int) -> None:
         self._armed_for = due_us
         if self._wall is not None:  # an instant already past fires at the next poll
-            self._wall.arm(due_us)
+            self._wall.arm(due_us + self._wall_lag())
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -70,6 +79,11 @@ class Holds:
             self._timer = self._loop.call_later(wait_us / 1_000_000, self._fire)
         else:
             self._timer = self._loop.call_soon(self._fire)
+
+    def rearm(self) -> None:
+        """Arm the timer again for the earliest item: ``wall_lag`` changed."""
+        if self._heap:
+            self._arm(self._heap[0][0])
 
     def _fire(self) -> None:
         self._timer = None

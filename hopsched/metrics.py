@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -248,6 +249,15 @@ class RelayCollector(Collector):
             "hopsched_policy_unchecked",
             "1 while the relay cannot read the policies in force (no management API).",
             value=snapshot.policy_unchecked,
+        )
+        offset = snapshot.relay_clock_offset_us
+        yield GaugeMetricFamily(
+            "hopsched_relay_clock_offset_seconds",
+            "The relay's clock's estimated offset from the broker's (positive: ahead), by "
+            "the x-death times the broker writes: never below the true offset, to ~1 s; NaN "
+            "before the first hop. Past +2 s the relay waits it out (and logs an ERROR); past "
+            "-2 s it delivers that late (a WARNING). Run NTP.",
+            value=math.nan if offset is None else offset / 1_000_000,
         )
 
     def _snapshot(self) -> StatsSnapshot:

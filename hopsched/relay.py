@@ -29,6 +29,7 @@ from pamqp import commands
 
 from hopsched import amqp
 from hopsched.acks import Acker
+from hopsched.broker_clock import BrokerClock
 from hopsched.cancel import CANCEL, Cancellations
 from hopsched.cancel_reader import CancelReader
 from hopsched.clock import now_us
@@ -95,6 +96,10 @@ _HELD_OVERHEAD = 600
 #: lane at the broker's pace (see docs/guarantees.md for the figures).
 LANE_WINDOW = 256
 
+#: A relay that held half its prefetch unacked (its queue may back up) takes no clock
+#: sample from a producer's hop for this long after, s (``HopTiming.observe_broker``).
+CROWDED_MEMORY_S = 60.0
+
 
 class Relay:
     """The relay daemon. ``await relay.run()`` until ``await relay.stop()``.
@@ -128,7 +133,11 @@ class Relay:
         self.ladder = settings.ladder
         self.topology = Topology.from_settings(settings)
         self.stats = RelayStats(held_now=self._held_now, in_flight_now=self._in_flight_now)
-        self.clock = clock
+        #: the relay's clock less its offset from the broker's once that is past +2 s
+        #: (``hopsched.broker_clock``): every decision reads it; ``raw_clock`` is ``clock``.
+        self.raw_clock = clock
+        self.broker_clock = BrokerClock(clock)
+        self.clock: Callable[[], int] = self.broker_clock
         self.decider = Decider(
             self.ladder,
             settings.login,
@@ -137,14 +146,16 @@ class Relay:
             settings.signatures,
         )
         self.overshoot = OvershootTracker()
-        self.hop_timing = HopTiming(self.stats, self.overshoot, settings.hold_window_ms * US_PER_MS)
+        self.hop_timing = HopTiming(
+            self.stats, self.overshoot, settings.hold_window_ms * US_PER_MS, self.broker_clock
+        )
         #: Steps whose queues nacked a hop lately (a leader election): routed around.
         self.avoided = AvoidedSteps()
         self.cancellations = Cancellations(CANCEL_RETENTION_US)
         self.cancel_reader = CancelReader(
             self.topology.cancel_stream,
             self.cancellations,
-            clock,
+            self.clock,
             settings.signatures,
             self.stats.record_tally,
         )
@@ -335,6 +346,7 @@ class Relay:
         self.cancellations.forget(self.clock())
         for line in self.stats.report(now - since):
             log.info("%s", line)
+        self.hop_timing.new_interval()
 
 
 class _Final:
@@ -374,8 +386,20 @@ class _Session:
             self.publisher, self.topology.journal_stream, self.stats.record_journal
         )
         self.refresh_ms = refresh_step_ms(relay.ladder.max_step_ms)
-        self.holds = Holds(self.clock, self._release, wall_timer=self.clock is now_us)
+        broker_clock = relay.broker_clock
+        self.holds = Holds(
+            self.clock,
+            self._release,
+            wall_timer=relay.raw_clock is now_us,
+            wall_lag=lambda: broker_clock.correction_us,
+        )
         self.held_bytes = 0
+        #: deliveries from ``{prefix}.relay`` still to come of those there when consuming
+        #: began (``HopTiming.observe_broker``'s ``backlog``)
+        self.backlog = 0
+        #: when it last held half its prefetch unacked (time.monotonic()): its queue may
+        #: have backed up since, and a producer's hop waited there
+        self.crowded_at = -math.inf
         prefetch = self.settings.prefetch
         self.held_limit = max(1, prefetch - max(1, prefetch // 10))
         self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
@@ -509,6 +533,13 @@ class _Session:
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
         """Consume ``{prefix}.relay`` and ``{prefix}.ingress`` on ``channel``; their tags."""
         tags = []
+        # What waits in the relay queue already is a backlog: a hop from it that the relay
+        # did not stamp cannot show whether it waited, so it is no sample of the clock.
+        declared = await channel.call(
+            commands.Queue.Declare(queue=self.topology.relay_queue, passive=True)
+        )
+        if isinstance(declared, commands.Queue.DeclareOk):
+            self.backlog = declared.message_count or 0
         for queue, callback in (
             (self.topology.relay_queue, self._received),
             (self.topology.ingress_queue, self._ingested),
@@ -679,8 +710,16 @@ class _Session:
         if properties is None:
             self.detours.park_as_is(delivery)
             return
-        now = self.clock()
         headers: Mapping[str, Any] = properties.headers or {}
+        if not nacks and not again:  # its x-death time first: the clock's offset, if new
+            backlog = self.backlog > 0 or delivery.redelivered
+            self.backlog -= 1
+            if len(self.acker) >= max(1, self.settings.prefetch // 2):
+                self.crowded_at = time.monotonic()
+            crowded = time.monotonic() - self.crowded_at < CROWDED_MEMORY_S
+            if self.relay.hop_timing.observe_broker(headers, backlog=backlog, crowded=crowded):
+                self.holds.rearm()  # the correction changed: the timer's instant too
+        now = self.clock()
         if not nacks and not again:
             self.relay.hop_timing.measure(headers, now)
             if delivery.redelivered and HEADER_RULE in headers:

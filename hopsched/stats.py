@@ -205,6 +205,9 @@ class RelayStats:
         ingested: messages taken from ingress exchanges (``hopsched.ingress``) and
             scheduled; ``ingested_unstamped`` of them timed from the relay's receipt (the
             broker stamped no receipt time: RabbitMQ < 3.12, or no message interceptor).
+        relay_clock_offset_us: the relay's own clock's estimated offset from the broker's,
+            µs (positive: ahead; ``hopsched.broker_clock``), None before the first hop
+            the broker dead-lettered.
         held_now, in_flight_now: how many messages wait for their due time, and how
             many publishes await their confirm, now (set by the relay; 0 by default).
     """
@@ -242,6 +245,7 @@ class RelayStats:
     lateness_buckets: Buckets = field(default_factory=Buckets)
     overshoot_buckets: Buckets = field(default_factory=Buckets)
     clock_offsets: dict[str, int] = field(default_factory=dict)
+    relay_clock_offset_us: int | None = None
     held_now: Callable[[], int] = field(default=lambda: 0)
     in_flight_now: Callable[[], int] = field(default=lambda: 0)
     _interval: _Counts = field(default_factory=_Counts)
@@ -313,7 +317,7 @@ class RelayStats:
         return self._problems[key] == 1
 
     def record_clock_sample(
-        self, producer: str, sample_us: int, *, waited_up_to_us: int = 0
+        self, producer: str, sample_us: int, *, waited_up_to_us: int = 0, resolution_us: int = 0
     ) -> int | None:
         """A first hop from ``producer`` reached the relay ``sample_us`` after the hop's
         expiry by the producer's clock (its overshoot plus the clocks' offset, plus what
@@ -323,13 +327,15 @@ class RelayStats:
         ms at least). Returns the estimate (µs, positive: the producer is ahead) when it
         first passes ``CLOCK_OFFSET_WARN_US`` in this interval, else None; a producer
         that seems behind, only past ``CLOCK_OFFSET_WARN_US + waited_up_to_us`` (hops that
-        waited for a restarting relay look like that: a trial saw "-1.2 s off").
+        waited for a restarting relay look like that: a trial saw "-1.2 s off");
+        ``resolution_us``: how far off the sample itself may be either way (the relay's
+        own offset from the broker, to the second, when it was taken out), added to both.
         """
         smallest = min(sample_us, self._offset_samples.get(producer, sample_us))
         self._offset_samples[producer] = smallest
         offset_us = -smallest
         self.clock_offsets[producer] = offset_us
-        bound = CLOCK_OFFSET_WARN_US + (waited_up_to_us if offset_us < 0 else 0)
+        bound = CLOCK_OFFSET_WARN_US + resolution_us + (waited_up_to_us if offset_us < 0 else 0)
         if abs(offset_us) > bound and producer not in self._warned_offsets:
             self._warned_offsets.add(producer)
             return offset_us
@@ -410,6 +416,7 @@ class RelayStats:
             in_flight=self.in_flight_now(),
             policy_risks=dict(self.policy_risks),
             policy_unchecked=self.policy_unchecked,
+            relay_clock_offset_us=self.relay_clock_offset_us,
         )
 
 
@@ -431,7 +438,7 @@ class StatsSnapshot:
         lateness, overshoot: cumulative counts per ``BUCKET_BOUNDS_US`` bound then the
             total (``Buckets.cumulative``), and the sum of the values, µs.
         held, in_flight: messages held until due, and publishes awaiting their confirm.
-        policy_risks, policy_unchecked: as ``RelayStats``'s.
+        policy_risks, policy_unchecked, relay_clock_offset_us: as ``RelayStats``'s.
     """
 
     counters: Mapping[str, int]
@@ -446,3 +453,4 @@ class StatsSnapshot:
     chains_ended: Mapping[str, int] = field(default_factory=dict)
     caught_up: Mapping[str, int] = field(default_factory=dict)
     skipped: Mapping[str, int] = field(default_factory=dict)
+    relay_clock_offset_us: int | None = None
