@@ -31,7 +31,10 @@ at most that many publishes are sent and unconfirmed at once, all lanes together
 ``lane_window``, at most that many per lane. What is sent and unconfirmed is what a
 crash of the publishing process can duplicate (the broker may have routed it, and the
 delivery that led to it is delivered again); a window per lane bounds that without
-letting one slow target hold back the others' publishes.
+letting one slow target hold back the others' publishes. The publishes a confirm lets
+go are sent after its callbacks have run, in the next step of the event loop, so the
+acks those callbacks queued reach the socket no later than, and before, those
+publishes: a crash in between duplicates at most the window, not the window twice.
 """
 
 from __future__ import annotations
@@ -165,6 +168,7 @@ class Publisher:
         self._purge_at = 2 * self._max_lanes
         self._ids = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._settled_lanes: dict[int, _Lane] = {}  # turned over in the next loop step
         connection.closed.add_done_callback(self._connection_closed)
 
     @property
@@ -459,7 +463,22 @@ class Publisher:
             if len(self._proven) > _PROVEN_KEPT:
                 del self._proven[next(iter(self._proven))]
         item.callback(outcome, detail)
-        self._turn_over(lane)
+        self._turn_over_soon(lane)
+
+    def _turn_over_soon(self, lane: _Lane) -> None:
+        """``_turn_over`` once this loop step's confirms have all run their callbacks:
+        the acks they queued then go to the socket ahead of the publishes that take
+        their room in the window (see the module's doc)."""
+        if not self._settled_lanes:
+            asyncio.get_running_loop().call_soon(self._turn_over_settled)
+        self._settled_lanes[id(lane)] = lane
+
+    def _turn_over_settled(self) -> None:
+        lanes = list(self._settled_lanes.values())
+        self._settled_lanes.clear()
+        for lane in lanes:
+            if self._lanes.get(lane.key) is lane:  # not handed its channel on meanwhile
+                self._turn_over(lane)
 
     # --- suspects --------------------------------------------------------------------------
 

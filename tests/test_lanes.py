@@ -22,7 +22,8 @@ from broker import PrivateBroker
 from support import Cleanup, Relays, Targets, message_count, unique
 
 import hopsched
-from hopsched.amqp import Outcome
+from hopsched.acks import Acker
+from hopsched.amqp import Delivery, Outcome
 from hopsched.errors import ChannelClosedError
 from hopsched.publisher import LADDER_LANE, Publisher, target_lane
 
@@ -120,6 +121,93 @@ async def test_a_lane_window_bounds_each_lane_alone(
     assert len(outcomes.calls) == 120
     assert await message_count(amqp, queue.name) == 120
     assert 8 < most["unconfirmed"] <= 16, most  # both lanes full at once, neither past its window
+
+
+async def test_a_confirm_s_acks_are_written_before_the_publishes_it_lets_go(
+    broker_url: str, targets: Targets, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    """F35's bound, frame by frame: a relay-like consumer re-publishes each of 60
+    deliveries with ``lane_window=8`` and acks it (``Acker``, lazily) at its confirm.
+    In what is written to the socket, after every frame, the publishes sent minus the
+    deliveries acked never exceed 8: whatever prefix a ``kill -9`` lets the broker
+    read, at most the window is published and not acked, so duplicated. (Before, the
+    publishes a confirm let go were written before its acks: up to twice the window.)"""
+    source = await targets.queue(consume=False)
+    sink = await targets.queue(consume=False)
+    channel = await amqp.channel()
+    for index in range(60):
+        await channel.default_exchange.publish(aio_pika.Message(b"%d" % index), source.name)
+    await channel.close()
+
+    connection = await open_connection(broker_url)
+    frames: list[tuple[int, int, bytes]] = []
+    transport = connection._transport
+    write = transport.write
+
+    def recording_write(data: bytes) -> None:
+        frames.extend(_frames(bytes(data)))
+        write(data)
+
+    transport.write = recording_write
+    publisher = Publisher(connection, lane_window=8)
+    consumer = await connection.channel()
+    await consumer.qos(100)
+    acker = Acker(consumer, lazy=True)
+    delivered: list[int] = []
+    all_delivered = asyncio.Event()
+
+    def on_delivery(delivery: Delivery) -> None:
+        tag = delivery.delivery_tag
+        acker.received(tag)
+
+        def settled(outcome: Outcome, detail: Any) -> None:
+            assert outcome is Outcome.ACK, (outcome, detail)
+            acker.done(tag)
+            delivered.append(tag)
+            if len(delivered) == 60:
+                all_delivered.set()
+
+        publisher.publish(LADDER_LANE, "", sink.name, delivery.body, encoded(), settled)
+
+    try:
+        await consumer.consume(source.name, on_delivery, lambda tag: None)
+        async with asyncio.timeout(30):
+            await all_delivered.wait()
+            await acker.settled()
+            await asyncio.sleep(0.05)  # the last lazy acks written
+    finally:
+        await publisher.close()
+        await connection.close()
+
+    published, acked, worst = 0, 0, 0
+    for number, kind, payload in frames:
+        if kind != 1 or payload[:2] != b"\x00\x3c":  # a method frame of class basic
+            continue
+        method = int.from_bytes(payload[2:4], "big")
+        if method == 40:  # basic.publish
+            published += 1
+        elif method == 80 and number == consumer.number:  # basic.ack
+            tag = int.from_bytes(payload[4:12], "big")
+            acked = max(acked, tag) if payload[12] & 1 else acked + 1
+        worst = max(worst, published - acked)
+    assert published == 60
+    assert acked == 60
+    assert worst <= 8, f"{worst} publishes were written and their deliveries not acked"
+    assert await message_count(amqp, sink.name) == 60
+
+
+def _frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    """The AMQP frames in ``data`` (whole frames: the client writes only those)."""
+    frames = []
+    while data:
+        kind, number, size = (
+            data[0],
+            int.from_bytes(data[1:3], "big"),
+            int.from_bytes(data[3:7], "big"),
+        )
+        frames.append((number, kind, data[7 : 7 + size]))
+        data = data[8 + size :]
+    return frames
 
 
 @pytest.mark.slow  # starts a private node
