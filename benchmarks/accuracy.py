@@ -260,6 +260,7 @@ async def _main_on(url: str, options: dict[str, Any]) -> dict[str, Any]:
             "load_avg_1m_start": _load(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
             "note": "broker, relay or worker, and load generator share this machine "
             "with other work",
         },
@@ -392,6 +393,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
             "load_avg_1m_end": _load(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
             "note": f"private RabbitMQ nodes ({', '.join(brokers)}, one after the other), "
             "relay and load generator share this machine with other work",
         },
@@ -442,8 +444,9 @@ def _installations(given: str | None, options: dict[str, Any]) -> list[Any]:
     return found
 
 
-def _run_cancellable(coroutine: Any) -> Any:
-    """Run ``coroutine``; SIGTERM cancels it like Ctrl-C, so its cleanup still runs."""
+def _run_cancellable(coroutine: Any, loop: str = "asyncio") -> Any:
+    """Run ``coroutine`` on ``loop`` (``asyncio`` or ``uvloop``); SIGTERM cancels it like
+    Ctrl-C, so its cleanup still runs."""
 
     async def wrapper() -> Any:
         task = asyncio.current_task()
@@ -451,6 +454,11 @@ def _run_cancellable(coroutine: Any) -> Any:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         return await coroutine
 
+    if loop == "uvloop":
+        import uvloop  # hopsched[fast]
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(wrapper())
     return asyncio.run(wrapper())
 
 
@@ -582,6 +590,14 @@ def _run_cancellable(coroutine: Any) -> Any:
     type=click.IntRange(1),
     help="With --publish-throughput: publishes awaiting their confirm per producer.",
 )
+@click.option(
+    "--loop",
+    type=click.Choice(["asyncio", "uvloop"]),
+    default="asyncio",
+    show_default=True,
+    help="The event loop of this process: the in-process relay's, the scheduler's and the "
+    "consumers' (uvloop: pip install -e '.[fast]').",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
@@ -650,7 +666,7 @@ def main(**options: Any) -> None:
             param_hint="--plugins-dir/--enable-plugin/--node-config",
         )
     try:
-        result = _run_cancellable(_main(options))
+        result = _run_cancellable(_main(options), options["loop"])
     except (KeyboardInterrupt, asyncio.CancelledError):
         click.echo("interrupted; every queue and exchange declared was deleted", err=True)
         sys.exit(130)

@@ -160,12 +160,19 @@ def _settings(**overrides: Any) -> Settings:
         raise _BadInput(str(error)) from None
 
 
-def _run(coroutine: Coroutine[Any, Any, Any], settings: Settings | None = None) -> Any:
-    """Run ``coroutine``; a HopschedError becomes a one-line error: exit status 2 for bad
-    input, 4 for a prefix that is not there (``settings`` name its URL), 1 for anything
-    else (broker unreachable, topology mismatch)."""
+def _run(
+    coroutine: Coroutine[Any, Any, Any],
+    settings: Settings | None = None,
+    *,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> Any:
+    """Run ``coroutine`` (on ``loop_factory``'s loop if given); a HopschedError becomes a
+    one-line error: exit status 2 for bad input, 4 for a prefix that is not there
+    (``settings`` name its URL), 1 for anything else (broker unreachable, topology
+    mismatch)."""
     try:
-        return asyncio.run(coroutine)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(coroutine)
     except (InvalidScheduleError, InvalidSettingsError) as error:
         raise _BadInput(str(error)) from None
     except PrefixNotDeclaredError as error:
@@ -307,7 +314,17 @@ def relay(
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.stop()))
         await daemon.run()
 
-    _run(serve(), settings)
+    _run(serve(), settings, loop_factory=_fastest_loop())
+
+
+def _fastest_loop() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (``hopsched[fast]``, installed for this), else
+    asyncio's; benchmarks/README.md, "Event loops", compares them."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 @main.command()

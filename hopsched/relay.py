@@ -101,6 +101,17 @@ LANE_WINDOW = 256
 CROWDED_MEMORY_S = 60.0
 
 
+def event_loop_name() -> str:
+    """The running event loop, as the relay's start line names it: ``"uvloop 0.21.0"``
+    or ``"asyncio event loop"``."""
+    module = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    if module == "uvloop":
+        from importlib.metadata import version
+
+        return f"uvloop {version('uvloop')}"
+    return f"{module} event loop"
+
+
 class Relay:
     """The relay daemon. ``await relay.run()`` until ``await relay.stop()``.
 
@@ -427,13 +438,14 @@ class _Session:
         tags = await self._consume(channel, cancelled)
         relay._consuming.set()
         log.info(
-            "relay consuming %s on node %s (hopsched %s, prefetch %d, %s ladder %s)",
+            "relay consuming %s on node %s (hopsched %s, prefetch %d, %s ladder %s, %s)",
             topology.relay_queue,
             relay._connector.masked_url,
             __version__,
             self.settings.prefetch,
             self.settings.queue_type,
             relay.ladder.description,
+            event_loop_name(),
         )
         torn_down: PrefixNotDeclaredError | None = None
         while True:

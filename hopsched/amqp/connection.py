@@ -18,9 +18,10 @@ import base64
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pamqp import commands
@@ -208,6 +209,9 @@ class Connection(asyncio.BufferedProtocol):
         self._flush_scheduled = False  # a flush is due at the end of this loop iteration
         self._lazy_flush: asyncio.TimerHandle | None = None  # only lazy data is waiting
         self._handshake_waiter: asyncio.Future[Frame] | None = None
+        # Handshake methods not yet awaited: uvloop may read connection.start before the
+        # coroutine that opened the connection is back to wait for it.
+        self._handshake_methods: deque[Frame] | None = deque()
         self._channels: dict[int, Channel] = {}
         self._last_received = time.monotonic()
         self._last_sent = time.monotonic()
@@ -219,9 +223,9 @@ class Connection(asyncio.BufferedProtocol):
     # --- asyncio.BufferedProtocol ----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        transport.write(PROTOCOL_HEADER)
+        # uvloop's TCPTransport does what asyncio.Transport does without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        self._transport.write(PROTOCOL_HEADER)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
@@ -376,6 +380,8 @@ class Connection(asyncio.BufferedProtocol):
             self._blocked_changed()
         elif self._handshake_waiter is not None and not self._handshake_waiter.done():
             self._handshake_waiter.set_result(method)
+        elif self._handshake_methods is not None:
+            self._handshake_methods.append(method)
         else:
             self._fail(f"unexpected method {method.name} on channel 0")
 
@@ -403,6 +409,10 @@ class Connection(asyncio.BufferedProtocol):
             self._transport.abort()
 
     async def _next_method(self) -> Frame:
+        if self._handshake_methods:
+            return self._handshake_methods.popleft()
+        if self.closed.done():
+            raise self.closed.result()
         self._handshake_waiter = self._loop.create_future()
         try:
             return await self._handshake_waiter
@@ -460,6 +470,7 @@ class Connection(asyncio.BufferedProtocol):
         )
         self.send(method_frame(0, commands.Connection.Open(virtual_host=params.vhost)))
         await self._expect(commands.Connection.OpenOk, "open")
+        self._handshake_methods = None  # from now on, an unexpected method fails
         if self.heartbeat_s:
             self._schedule_heartbeat()
 
