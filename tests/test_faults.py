@@ -413,20 +413,26 @@ async def test_f10_competing_relays_one_killed_loses_nothing(
     assert all(relay.returncode is None for relay in relays[1:])
 
 
-#: F35's bound: duplicates after a relay killed mid-burst, as a share of the burst.
-F35_DUPLICATES_SHARE = 0.05
+#: F35's bound: the lanes that can be busy when the relay is killed mid-burst, the
+#: ladder's (hops of messages that reach the relay more than a hold window early, as
+#: they do when scheduling lags on a loaded machine) and the target's; each has at most
+#: ``LANE_WINDOW`` publishes sent and not acked (docs/guarantees.md).
+F35_BUSY_LANES = 2
 
 
-async def test_F35_a_relay_killed_just_after_a_burst_came_due_duplicates_at_most_5_percent(
+async def test_F35_a_relay_killed_mid_burst_duplicates_at_most_its_lane_windows(
     settings: hopsched.Settings,
     targets: Targets,
     relay_processes: Callable[..., Awaitable[RelayProcess]],
 ) -> None:
-    """F35: 6,000 messages due at one instant; the relay is killed 0.1 s after it and
-    started again 1 s later. Before: 9,800 delivered (3,800 duplicates). The relay acks
-    each delivery at its publish's confirm and keeps at most ``LANE_WINDOW`` publishes
+    """F35: 6,000 messages due at one instant; the relay is killed once the burst is
+    being delivered (0.1 s after it came due, or at the first delivery if that is later)
+    and started again 1 s later. Before: 9,800 delivered (3,800 duplicates). The relay
+    acks each delivery at its publish's confirm, writes those acks ahead of the
+    publishes the confirm lets go, and keeps at most ``LANE_WINDOW`` publishes
     unconfirmed per lane, so only those can be delivered twice: nothing lost, nothing
-    early, at most 5 % duplicated."""
+    early, at most ``F35_BUSY_LANES * LANE_WINDOW`` (512, 8.5 %) duplicated; one busy
+    lane, the usual case, 256 (4.3 %)."""
     from hopsched.relay import LANE_WINDOW
 
     count = 6000
@@ -450,6 +456,8 @@ async def test_F35_a_relay_killed_just_after_a_burst_came_due_duplicates_at_most
         scheduled.due_us[one.schedule_id] = one.due_us
         scheduled.body[one.schedule_id] = body
     await asyncio.sleep((due - datetime.now(UTC)).total_seconds() + 0.1)
+    # Loaded, the relay may not have begun the burst yet: the kill waits for it.
+    await target.wait_for(1, within=120)
     await relay.kill()
     at_kill = len({r.schedule_id for r in target.received})
     await asyncio.sleep(1.0)
@@ -459,9 +467,9 @@ async def test_F35_a_relay_killed_just_after_a_burst_came_due_duplicates_at_most
     outcome = Outcome(scheduled, target.received, kills=1, restarts=1)
     outcome.extra["delivered_before_kill"] = at_kill
     outcome.extra["lane_window"] = LANE_WINDOW
-    print(outcome.line("F35 relay SIGKILLed 0.1 s after 6,000 came due (quorum)"))
+    print(outcome.line("F35 relay SIGKILLed mid-burst, 6,000 due at once (quorum)"))
 
-    outcome.assert_exact(duplicates_allowed=int(count * F35_DUPLICATES_SHARE))
+    outcome.assert_exact(duplicates_allowed=F35_BUSY_LANES * LANE_WINDOW)
 
 
 # --- Graceful shutdown under load ---------------------------------------------------------
