@@ -3,9 +3,10 @@ trip in one process, against the broker at HOPSCHED_URL (default: guest on local
 
     python examples/order_timeout.py
 
-It declares its own target queue, ``example.order-timeouts``, and the ladder of prefix
-``hopsched-example``, and removes both at the end, as ``hopsched teardown --prefix
-hopsched-example`` would (a ladder is 31 quorum queues: leave none you do not use). In
+It declares its own target queue, ``hopsched-example-order-timeouts``, and the ladder
+of prefix ``hopsched-example`` (``HOPSCHED_PREFIX`` names another, and the queue with
+it), and removes both at the end, as ``hopsched teardown --prefix hopsched-example``
+would (a ladder is 31 quorum queues: leave none you do not use). In
 production the relay runs as its own process (``hopsched relay``), the ladder stays, and
 the consumer is your service.
 """
@@ -21,13 +22,14 @@ import aio_pika
 from hopsched import DeliveryInfo, Relay, Scheduler, Settings, Topology
 from hopsched.connect import connect
 
-QUEUE = "example.order-timeouts"
+PREFIX = os.environ.get("HOPSCHED_PREFIX", "hopsched-example")
+QUEUE = f"{PREFIX}-order-timeouts"  # not "{PREFIX}.…": hopsched's own names are no target
 
 
 async def main() -> None:
     settings = Settings(
         url=os.environ.get("HOPSCHED_URL", "amqp://guest:guest@localhost:5672/"),
-        prefix="hopsched-example",
+        prefix=PREFIX,
     )
     relay = Relay(settings)
     relaying = asyncio.create_task(relay.run())

@@ -23,7 +23,7 @@ from pathlib import Path
 import aio_pika
 import pytest
 from broker import require_rabbitmq
-from support import Cleanup, Relays, Targets
+from support import Cleanup, Relays, Targets, unique
 
 import hopsched
 from hopsched.clock import now_us
@@ -89,9 +89,17 @@ PROGRAMS = {
 }
 
 
+#: The targets the programs name. A run gives them its marker (``TARGETS[name]``), as
+#: every test object has: two runs on one broker, or a user's own ``orders``, never meet.
+TARGETS = {name: unique(name) for name in ("orders", "order.timeout", "orders.timeout")}
+
+
 def as_run(code: str, url: str, prefix: str) -> str:
-    """``code`` pointed at the test broker (``url``) and the test's ``prefix``."""
+    """``code`` pointed at the test broker (``url``), the test's ``prefix`` and the
+    run's target names (``TARGETS``)."""
     assert LOCAL_URL in code, "a whole program names its broker"
+    for name, marked in TARGETS.items():
+        code = code.replace(f'"{name}"', f'"{marked}"')
     code = code.replace(repr(LOCAL_URL).replace("'", '"'), repr(url))
     code = code.replace("Settings(url=", f"Settings(prefix={prefix!r}, url=")
     return code.replace('PREFIX = "hopsched"', f"PREFIX = {prefix!r}")
@@ -186,8 +194,8 @@ async def test_the_readme_scheduling_program_delivers_its_short_delays_on_time(
     cleanup: Cleanup,
 ) -> None:
     settings, relay = quorum_relay
-    cleanup.exchanges.add("orders")
-    target = await targets.queue("order.timeout")  # the program declares it as well
+    cleanup.exchanges.add(TARGETS["orders"])
+    target = await targets.queue(TARGETS["order.timeout"])  # the program declares it as well
     started_us = now_us()
 
     out = await run(as_run(snippet("README.md", "Scheduling").code, broker_url, settings.prefix))
@@ -220,7 +228,7 @@ async def test_the_raw_amqp_recipe_is_delivered_once_never_early(
     targets: Targets,
 ) -> None:
     settings, relay = quorum_relay
-    target = await targets.queue("orders.timeout")  # the recipe declares it as well
+    target = await targets.queue(TARGETS["orders.timeout"])  # the recipe declares it as well
     code = snippet("docs/envelope.md", "Scheduling without hopsched: a raw AMQP producer").code
     imported = {
         alias.name.split(".")[0]
@@ -251,7 +259,7 @@ async def test_the_raw_amqp_recipe_is_delivered_once_never_early(
 async def test_the_raw_amqp_recipe_fails_loudly_on_a_prefix_no_one_declared(
     broker_url: str, prefix: str, cleanup: Cleanup
 ) -> None:
-    cleanup.queues.add("orders.timeout")  # the recipe declares its target first
+    cleanup.queues.add(TARGETS["orders.timeout"])  # the recipe declares its target first
     code = snippet("docs/envelope.md", "Scheduling without hopsched: a raw AMQP producer").code
 
     err = await run(as_run(code, broker_url, prefix), fails=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import aio_pika
 import aiormq
 import pytest
-from support import Cleanup
+from support import Cleanup, unique
 
 import hopsched
 
@@ -20,11 +20,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 async def test_the_order_timeout_example_delivers_its_message_and_leaves_nothing(
     broker_url: str, cleanup: Cleanup, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
-    cleanup.topology(hopsched.Settings(url=broker_url, prefix="hopsched-example"))
+    prefix = unique()  # the run's marker: another run's or a user's example is never touched
+    cleanup.topology(hopsched.Settings(url=broker_url, prefix=prefix))
+    cleanup.queues.add(f"{prefix}-order-timeouts")
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(EXAMPLES / "order_timeout.py"),
-        env={**os.environ, "HOPSCHED_URL": broker_url},
+        env={**os.environ, "HOPSCHED_URL": broker_url, "HOPSCHED_PREFIX": prefix},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -36,4 +38,4 @@ async def test_the_order_timeout_example_delivers_its_message_and_leaves_nothing
     assert lines[1].startswith("received b'{\"order\": 42}'")
     assert lines[0].split()[1] in lines[1]  # the same schedule id
     with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):  # its ladder is gone
-        await (await amqp.channel()).declare_queue("hopsched-example.relay", passive=True)
+        await (await amqp.channel()).declare_queue(f"{prefix}.relay", passive=True)
