@@ -242,7 +242,9 @@ def teardown_refusal(
     return (
         f"not removed: {len(busy)} queue(s) in use: {', '.join(busy)}. Stop the relays and "
         "let the messages be delivered (or replay or drop the parked ones), or use --force "
-        "to delete them with their messages"
+        "to delete them with their messages. A cancelled message stays in its step until "
+        "its due time (up to 49.7 days in the top step) and counts here: `hopsched "
+        "pending` lists what is still to be delivered"
     )
 
 
