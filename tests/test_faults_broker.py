@@ -335,10 +335,16 @@ async def test_a_cancel_survives_a_relay_killed_before_the_due_time(
 
 
 async def test_a_cancel_survives_a_broker_killed_before_the_due_time(
-    private_broker: PrivateBroker, prefix: str, relays: Relays, node_targets: Targets
+    private_broker: PrivateBroker,
+    prefix: str,
+    relays: Relays,
+    node_targets: Targets,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """``kill -9`` of the node after the cancel: the stream is durable, the relay reads
-    it again after the restart: not delivered; the other message is."""
+    it again after the restart: not delivered; the other message is. (Once in CI, on a
+    loaded machine, the kept message had not come 60 s after the restart; the bound is
+    now 120 s, and a miss shows what the relay logged.)"""
     settings = node_settings(private_broker, prefix)
     target = await node_targets.queue()  # first: see _consume_after_restart
     await relays.start(settings)
@@ -351,7 +357,11 @@ async def test_a_cancel_survives_a_broker_killed_before_the_due_time(
     await private_broker.kill()
     await private_broker.start()
     collector = await _consume_after_restart(private_broker, target.name)
-    await collector.wait_for_ids({kept.schedule_id}, within=60)
+    try:
+        await collector.wait_for_ids({kept.schedule_id}, within=120)
+    except pytest.fail.Exception:
+        logged = [r.getMessage() for r in caplog.records if r.name.startswith("hopsched")]
+        pytest.fail(f"the kept message did not come; the relay logged: {logged[-20:]}")
     await asyncio.sleep(1.0)
     assert set(collector.counts()) == {kept.schedule_id}
 
