@@ -790,7 +790,8 @@ def pending(
 
     count = _run(go())
     if not as_json:
-        click.echo(f"{count} pending", err=True)
+        shown = f"the first {count} pending (--limit)" if limit == count else f"{count} pending"
+        click.echo(shown, err=True)
 
 
 @main.command()

@@ -253,6 +253,10 @@ async def test_the_cli_gets_lists_replaces_and_reschedules_from_another_process(
     status, out, err = await hopsched_cli("pending", "--json", settings=settings)
     assert status == 0, err
     assert [json.loads(line)["schedule_id"] for line in out.splitlines()] == [sid]
+    status, out, err = await hopsched_cli("pending", settings=settings)
+    assert (status, err.splitlines()[-1]) == (0, "1 pending")
+    status, out, err = await hopsched_cli("pending", "--limit", "1", settings=settings)
+    assert (status, err.splitlines()[-1]) == (0, "the first 1 pending (--limit)")  # not a total
     status, out, err = await hopsched_cli("reschedule", sid, "--in", "1s", settings=settings)
     assert status == 0, err
     assert out.startswith(f"rescheduled {sid} due ")
