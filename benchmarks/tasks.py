@@ -226,20 +226,23 @@ class Producer:
 
 
 def send_all(producer: Producer, delays_us: list[int], threads: int) -> dict[str, Any]:
-    """Send one task per delay from ``threads`` threads; {id: due}, and how long it took."""
+    """Send one task per delay from ``threads`` threads: {id: due} of those sent, how long
+    it took, and the errors of those not sent (message: count)."""
     sent: dict[str, int] = {}
     lock = threading.Lock()
-    errors: list[str] = []
+    errors: Counter[str] = Counter()
     chunks = [delays_us[n::threads] for n in range(threads)]
 
     def work(chunk: list[int]) -> None:
-        try:
-            for delay in chunk:
+        for delay in chunk:
+            try:
                 task_id, due = producer.send(delay)
+            except Exception as error:  # counted in the result, the run goes on
                 with lock:
-                    sent[task_id] = due
-        except Exception as error:  # reported in the result, the run goes on
-            errors.append(f"{type(error).__name__}: {error}")
+                    errors[f"{type(error).__name__}: {error}"] += 1
+                continue
+            with lock:
+                sent[task_id] = due
 
     began = time.monotonic()
     workers = [threading.Thread(target=work, args=(chunk,)) for chunk in chunks]
@@ -248,7 +251,7 @@ def send_all(producer: Producer, delays_us: list[int], threads: int) -> dict[str
     for thread in workers:
         thread.join()
     took = time.monotonic() - began
-    return {"sent": sent, "send_s": round(took, 1), "errors": errors[:5]}
+    return {"sent": sent, "send_s": round(took, 1), "errors": dict(errors)}
 
 
 def read_runs(path: Path) -> list[tuple[str, int]]:
@@ -368,13 +371,14 @@ async def queue_counts(node: Any) -> dict[str, tuple[int, int]]:
     return counts
 
 
-async def purge_all(url: str, node: Any, keep: set[str]) -> int:
-    """Purge every queue of the node but ``keep``'s; the number of messages purged."""
+async def purge(url: str, node: Any, names: set[str], prefixes: tuple[str, ...]) -> int:
+    """Purge the queues named in ``names`` or starting with one of ``prefixes`` that hold
+    messages; the number of messages purged."""
     purged = 0
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel()
         for name, (ready, unacked) in (await queue_counts(node)).items():
-            if name in keep or ready + unacked == 0:
+            if ready + unacked == 0 or not (name in names or name.startswith(prefixes)):
                 continue
             queue = await channel.declare_queue(name, passive=True)
             purged += (await queue.purge()).message_count or 0
@@ -446,9 +450,10 @@ async def rss_phase(
             if producer is not None:
                 producer.close()
             await worker.stop()
-            topology = Topology.from_settings(Settings(url=url, prefix=prefix))
-            keep = {topology.relay_queue}
-            purged = await purge_all(url, node, keep)
+            # the way's queues (Dramatiq's .DQ too), Celery's native delayed-delivery
+            # queues, hopsched's step queues: what the tasks sent here wait in
+            steps = set(Topology.from_settings(Settings(url=url, prefix=prefix)).step_queues)
+            purged = await purge(url, node, steps, (config["queue"], "celery_delayed_"))
             print(f"rss: {way}: purged {purged} messages", file=sys.stderr)
     return result
 
