@@ -54,29 +54,12 @@ from hopsched.topology import Topology
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from recurring import percentiles  # noqa: E402  (the same nearest-rank percentiles)
 from tasks_apps import ENV, WAYS, make_celery, make_dramatiq  # noqa: E402
 
 S = 1_000_000
 MB = 1024 * 1024
 READY_S = 60.0
-
-
-def percentiles(values_us: list[int]) -> dict[str, float | int | None]:
-    """Nearest-rank percentiles of latenesses (µs), in ms; early ones included as is."""
-    if not values_us:
-        return {"n": 0, "min_ms": None, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    ordered = sorted(values_us)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000, 2)
-
-    return {
-        "n": len(ordered),
-        "min_ms": round(ordered[0] / 1000, 2),
-        "p50_ms": at(0.50),
-        "p99_ms": at(0.99),
-        "max_ms": round(ordered[-1] / 1000, 2),
-    }
 
 
 def checkout() -> dict[str, Any]:
