@@ -2,7 +2,7 @@
 
     .venv/bin/python .ci/node.py ENV_FILE
 
-Starts a private node (``hopsched.localbroker``: ``HOPSCHED_RABBITMQ_ROOT`` picks the
+Starts a private node (``hopsched.testing.localbroker``: ``HOPSCHED_RABBITMQ_ROOT`` picks the
 installation) with the management plugin and as many file descriptors as allowed, writes
 ``export HOPSCHED_TEST_URL=...`` and ``export HOPSCHED_TEST_RABBITMQCTL=...`` lines that
 reach it into ENV_FILE (for ``source``), and runs until SIGTERM or SIGINT; then the node
@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from hopsched.localbroker import PrivateBroker, private_node
+from hopsched.testing.localbroker import PrivateBroker, private_node
 
 #: Enough for every quorum queue the tests declare at once (RabbitMQ 3.10 counts ~3 each).
 WANTED_FDS = 65_536

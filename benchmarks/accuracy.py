@@ -62,8 +62,8 @@ from bench_strategies import STRATEGIES, make_strategy
 from bench_workload import Workload, parse_delays
 
 import hopsched
-from hopsched import mask_url
-from hopsched.durations import parse_duration
+from hopsched.cli.durations import parse_duration
+from hopsched.urls import mask_url
 
 #: The scenarios that run a paced workload: ``--rabbitmq`` may name several installations.
 PACED = ("quick", "standard", "mixed", "custom")
@@ -227,7 +227,7 @@ async def _node_plugins(node: Any) -> dict[str, str] | None:
 async def _main_private_node(options: dict[str, Any]) -> dict[str, Any]:
     """A scenario that is not paced (throughput, burst, backlog) on a private node of the
     one installation ``--rabbitmq`` gives."""
-    from hopsched.localbroker import private_node
+    from hopsched.testing.localbroker import private_node
 
     [installation] = options["installations"]
     async with private_node(installation=installation, **_private_options(options)) as node:
@@ -327,7 +327,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
     ``--cluster``: hopsched-quorum on one node, then on a three-node cluster (URLs of all
     three); ``--rabbitmq``: the chosen strategies on one node of each installation."""
     # here, not at the top: a hopsched measured through --hopsched-path may predate it
-    from hopsched.localbroker import PrivateCluster, private_cluster, private_node
+    from hopsched.testing.localbroker import PrivateCluster, private_cluster, private_node
 
     setups: list[tuple[str, Callable[[], Any]]]
     extra = _private_options(options)
@@ -422,10 +422,10 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _installations(given: str | None, options: dict[str, Any]) -> list[Any]:
-    """``--rabbitmq``'s installations (``hopsched.localbroker.Installation``)."""
+    """``--rabbitmq``'s installations (``hopsched.testing.localbroker.Installation``)."""
     if not given:
         return []
-    from hopsched.localbroker import installation_in, machine_installation
+    from hopsched.testing.localbroker import installation_in, machine_installation
 
     if options["cluster"]:
         raise click.BadParameter("not with --cluster", param_hint="--rabbitmq")
@@ -530,7 +530,7 @@ def _run_cancellable(coroutine: Any, loop: str = "asyncio") -> Any:
     "--cluster",
     is_flag=True,
     help="Run hopsched-quorum on a private single node, then on a private 3-node cluster "
-    "(hopsched.localbroker), to show what replication costs; --url is not used.",
+    "(hopsched.testing.localbroker), to show what replication costs; --url is not used.",
 )
 @click.option(
     "--rabbitmq",

@@ -15,8 +15,8 @@ from typing import Any
 
 import psutil
 
-from hopsched.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
-from hopsched.stats import LatenessStats
+from hopsched.core.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
+from hopsched.relay.stats import LatenessStats
 
 __all__ = [
     "BENCH_DUE",

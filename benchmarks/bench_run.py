@@ -31,7 +31,7 @@ from bench_measure import (
 from bench_strategies import BrokerFloor, Hopsched, Strategy
 from bench_workload import LONG_DELAY_US, Workload
 
-from hopsched.stats import LatenessStats
+from hopsched.relay.stats import LatenessStats
 
 __all__ = [
     "Progress",

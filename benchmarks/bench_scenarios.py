@@ -26,10 +26,12 @@ from bench_strategies import BURST_BATCH, Hopsched, make_strategy, relay_command
 from bench_workload import Workload, parse_delays
 
 import hopsched
-from hopsched.envelope import HEADER_HOP_EXPIRES
+import hopsched.core.envelope
+import hopsched.core.ladder
+from hopsched.core.envelope import HEADER_HOP_EXPIRES
 
 try:
-    from hopsched.envelope import HEADER_HOP_CLOCK, RELAY_CLOCK
+    from hopsched.core.envelope import HEADER_HOP_CLOCK, RELAY_CLOCK
 except ImportError:  # a hopsched measured through --hopsched-path from before clock stamps
     HEADER_HOP_CLOCK, RELAY_CLOCK = "x-hopsched-hop-clock", "relay"
 
@@ -170,7 +172,7 @@ async def relay_hops(
     topology = hopsched.Topology.from_settings(settings)
     due_us = now_us() + 3600 * 1_000_000
     step = settings.ladder.plan(now_us=now_us(), due_us=due_us)
-    assert isinstance(step, hopsched.Hop)
+    assert isinstance(step, hopsched.core.ladder.Hop)
     step_queue = topology.step_queue(step.step_ms)
     target = f"{prefix}-x"
     if deliver:
@@ -187,7 +189,7 @@ async def relay_hops(
             await channel.declare_queue(target, durable=True)
 
         def envelope(index: int) -> aio_pika.Message:
-            unsigned = hopsched.Envelope(
+            unsigned = hopsched.core.envelope.Envelope(
                 schedule_id=uuid.uuid4().hex, due_us=due_us, exchange="", routing_key=target
             )
             headers = settings.signatures.sign_envelope(unsigned, body).to_headers()

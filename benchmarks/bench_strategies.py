@@ -23,7 +23,7 @@ from bench_measure import BENCH_DUE, BENCH_ID, MAX_IN_FLIGHT, Pipeline, now_us, 
 import hopsched
 
 try:
-    from hopsched.settings import split_urls
+    from hopsched.urls import split_urls
 except ImportError:  # a hopsched measured through --hopsched-path from before node lists
 
     def split_urls(url: str) -> list[str]:
@@ -32,8 +32,8 @@ except ImportError:  # a hopsched measured through --hopsched-path from before n
 
 try:  # the relay's own publisher; a hopsched from before it (--hopsched-path) has none
     from hopsched import amqp
+    from hopsched.amqp.publisher import Publisher, target_lane
     from hopsched.connect import Connector
-    from hopsched.publisher import Publisher, target_lane
 except ImportError as error:
     _NO_FAST_PUBLISHER: str | None = f"{error}"
 else:
@@ -57,7 +57,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Messages per ``schedule_many`` call when a workload gives many at once.
 BURST_BATCH = 1000
 #: Messages the broker floor publishes per loop iteration in a burst, as many as the
-#: relay releases (``hopsched.holds``).
+#: relay releases (``hopsched.relay.holds``).
 FLOOR_SLICE = 500
 
 
@@ -450,7 +450,7 @@ class HopschedQuorum(Hopsched):
 
 
 class HopschedIngress(Hopsched):
-    """hopsched's x-delay ingress (``hopsched.ingress``, docs/ingress.md): producers
+    """hopsched's x-delay ingress (``hopsched.core.ingress``, docs/ingress.md): producers
     publish as to the delayed-message plugin, to an exchange with an ``x-delay`` header
     (ms), through aio-pika with confirms, as the ``delayed-exchange`` row does; the relay
     (its own process, as for ``hopsched-quorum``) takes each message from
@@ -482,8 +482,8 @@ class HopschedIngress(Hopsched):
         by its own name, as it is bound to the plugin's exchange."""
         await super().open()
         await self._wait_consuming_queue(self.topology.ingress_queue)
-        from hopsched.ingress import Ingress
-        from hopsched.ingress_io import bind_to_due_exchange, declare_ingress
+        from hopsched.broker.ingress import bind_to_due_exchange, declare_ingress
+        from hopsched.core.ingress import Ingress
 
         await declare_ingress(self.settings, Ingress(self.exchange, "direct"))
         await bind_to_due_exchange(
@@ -504,7 +504,7 @@ class HopschedIngress(Hopsched):
 
     async def unavailable(self, *, burst: bool = False) -> str | None:
         try:
-            from hopsched.ingress_io import declare_ingress  # noqa: F401
+            from hopsched.broker.ingress import declare_ingress  # noqa: F401
         except ImportError as error:  # a hopsched from before the ingress (--hopsched-path)
             return f"not available: this hopsched has no x-delay ingress ({error})"
         return None
@@ -699,7 +699,7 @@ class BrokerFloor(Strategy):
     async def unavailable(self, *, burst: bool = False) -> str | None:
         if burst and _NO_FAST_PUBLISHER is not None:
             return (
-                "not available: this hopsched has no hopsched.publisher.Publisher "
+                "not available: this hopsched has no hopsched.amqp.publisher.Publisher "
                 f"(the burst's floor uses it; {_NO_FAST_PUBLISHER})"
             )
         return None
@@ -708,8 +708,8 @@ class BrokerFloor(Strategy):
         self, ids: list[str], due_us: int, body: bytes
     ) -> tuple[str, list[str]]:
         """At ``due_us``, every message straight to the target with the relay's own
-        publisher (``hopsched.publisher.Publisher`` on a ``Connector`` connection),
-        confirms pipelined, released as the relay releases a burst (``hopsched.holds``:
+        publisher (``hopsched.amqp.publisher.Publisher`` on a ``Connector`` connection),
+        confirms pipelined, released as the relay releases a burst (``hopsched.relay.holds``:
         woken a millisecond early, the rest waited by yielding, slices of
         ``FLOOR_SLICE`` with a loop iteration, so a write, between them). Connection,
         channel and properties are ready before that instant."""
@@ -762,7 +762,7 @@ class BrokerFloor(Strategy):
         finally:
             await publisher.close()
             await connection.close()
-        how = f"at the due instant, hopsched.publisher.Publisher, slices of {FLOOR_SLICE}"
+        how = f"at the due instant, hopsched.amqp.publisher.Publisher, slices of {FLOOR_SLICE}"
         return how, failures
 
 

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from datetime import timedelta
 
-from hopsched.durations import parse_duration
+from hopsched.cli.durations import parse_duration
 
 __all__ = ["LONG_DELAY_US", "Delays", "Workload", "parse_delays"]
 

@@ -39,7 +39,7 @@ from bench_strategies import HopschedQuorum, at_datetime
 from bench_workload import Workload, parse_delays
 
 import hopsched
-from hopsched import mask_url
+from hopsched.urls import mask_url
 
 _MB = 2**20
 #: Leads (ms before the due time) at which the sweep starts each cancel() call.

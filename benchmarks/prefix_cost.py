@@ -6,7 +6,7 @@
 
 For each RabbitMQ installation (``machine``: this machine's; a directory: the one in that
 chroot, e.g. RabbitMQ 4.0.5 from ``.ci/rabbitmq4``) it starts a private node
-(``hopsched.localbroker``), reads what the node reports (``rabbitmqctl status``: the file
+(``hopsched.testing.localbroker``), reads what the node reports (``rabbitmqctl status``: the file
 handles its file-handle cache counts, RabbitMQ 3.x only, against its limit; its memory
 by category) and what the OS sees (open descriptors, resident memory), declares
 ``--prefixes`` ladders (the default settings, or each ``--ladder``: ``bench_ladder``) with
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper m
 from bench_ladder import ladder_name, parse_ladder
 
 import hopsched
-from hopsched.localbroker import (
+from hopsched.testing.localbroker import (
     Installation,
     PrivateBroker,
     installation_in,

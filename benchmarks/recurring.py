@@ -43,10 +43,10 @@ import click
 import psutil
 
 import hopsched
-from hopsched import mask_url
-from hopsched.clock import now_us, us_to_datetime
-from hopsched.envelope import HEADER_DUE, HEADER_KEY
+from hopsched.core.clock import now_us, us_to_datetime
+from hopsched.core.envelope import HEADER_DUE, HEADER_KEY
 from hopsched.topology import Topology
+from hopsched.urls import mask_url
 
 S = 1_000_000
 SAMPLE_S = 5.0

@@ -48,7 +48,7 @@ import aio_pika
 import click
 import psutil
 
-from hopsched.clock import now_us
+from hopsched.core.clock import now_us
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
@@ -442,7 +442,7 @@ async def rss_phase(
 
 
 async def main_async(options: dict[str, Any]) -> dict[str, Any]:
-    from hopsched.localbroker import installation_in, machine_installation, private_node
+    from hopsched.testing.localbroker import installation_in, machine_installation, private_node
 
     given = options["rabbitmq"]
     installation = machine_installation() if given == "machine" else installation_in(Path(given))

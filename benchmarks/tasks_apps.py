@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from hopsched.clock import now_us
+from hopsched.core.clock import now_us
 
 #: way -> (framework, queue kind, through hopsched)
 WAYS: dict[str, tuple[str, str, bool]] = {

@@ -3,10 +3,23 @@
 A message carries its due time in a header and cycles through a ladder of
 fixed-TTL queues (TTLs are powers of two in ms); a relay re-publishes each expired
 message into the largest step that still fits and delivers it to its target once due.
+
+The package, from the bottom up (a module imports only from its own layer or below):
+``errors`` and ``version``; ``amqp`` (the transport); ``core`` (pure: no I/O, no
+clock of its own); ``settings``, ``connect`` and ``topology`` (names, declare,
+upgrade, teardown); ``journal`` (the streams); ``broker`` (operating a prefix);
+``client`` (``Scheduler``) and ``relay`` (the daemon); ``cli``, ``integrations``
+(Celery, Dramatiq, Taskiq) and ``testing`` (private nodes) on top.
 """
 
-from hopsched.decide import ParkKind
-from hopsched.envelope import DeliveryInfo, Envelope
+from hopsched.client.prepare import ScheduleRequest
+from hopsched.client.scheduler import Cancelled, Scheduler
+from hopsched.client.sending import Scheduled
+from hopsched.core.decide import ParkKind
+from hopsched.core.envelope import DeliveryInfo
+from hopsched.core.ladder import Ladder
+from hopsched.core.recurring import Recurrence
+from hopsched.core.signing import SigningKey
 from hopsched.errors import (
     AccessRefusedError,
     BrokerConnectionLost,
@@ -27,52 +40,52 @@ from hopsched.errors import (
     Unroutable,
     UnroutableTargetError,
 )
-from hopsched.journal import ScheduleInfo
-from hopsched.ladder import Hold, Hop, Ladder
-from hopsched.prepare import ScheduleRequest
-from hopsched.relay import Relay
-from hopsched.scheduler import Cancelled, Scheduled, Scheduler
-from hopsched.settings import Settings, mask_url
-from hopsched.signing import SigningKey
-from hopsched.stats import RelayStats
+from hopsched.journal.records import ScheduleInfo
+from hopsched.relay.loop import Relay
+from hopsched.relay.stats import RelayStats
+from hopsched.settings import Settings
 from hopsched.topology import Topology
 from hopsched.version import __version__
 
+# Producing: schedule, cancel, look up.
 __all__ = [
-    "AccessRefusedError",
-    "BrokerConnectionLost",
-    "BrokerUnavailableError",
     "Cancelled",
     "DeliveryInfo",
-    "Envelope",
-    "EnvelopeError",
-    "Hold",
-    "Hop",
-    "HopschedError",
-    "InvalidScheduleError",
-    "InvalidSettingsError",
-    "Ladder",
-    "LadderMismatchError",
-    "MessageTooLargeError",
-    "MetricsEndpointError",
-    "ParkKind",
-    "PrefixNotDeclaredError",
-    "PublishRejectedError",
-    "PublishTimeoutError",
-    "Relay",
-    "RelayStats",
+    "Recurrence",
     "ScheduleInfo",
     "ScheduleRequest",
     "Scheduled",
     "Scheduler",
-    "Settings",
     "SigningKey",
+]
+# Configuring and running a prefix.
+__all__ += [
+    "Ladder",
+    "ParkKind",
+    "Relay",
+    "RelayStats",
+    "Settings",
+    "Topology",
+    "__version__",
+]
+# What hopsched raises (all HopschedError) or returns for a refused target.
+__all__ += [
+    "AccessRefusedError",
+    "BrokerConnectionLost",
+    "BrokerUnavailableError",
+    "EnvelopeError",
+    "HopschedError",
+    "InvalidScheduleError",
+    "InvalidSettingsError",
+    "LadderMismatchError",
+    "MessageTooLargeError",
+    "MetricsEndpointError",
+    "PrefixNotDeclaredError",
+    "PublishRejectedError",
+    "PublishTimeoutError",
     "TargetCheckError",
     "TargetRefused",
-    "Topology",
     "TopologyMismatchError",
     "Unroutable",
     "UnroutableTargetError",
-    "__version__",
-    "mask_url",
 ]

@@ -1,3 +1,3 @@
-from hopsched.cli import main
+from hopsched.cli.main import main
 
 main()

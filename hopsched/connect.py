@@ -27,7 +27,8 @@ import aiormq
 
 from hopsched import amqp
 from hopsched.errors import BrokerUnavailableError
-from hopsched.settings import Settings, mask_url
+from hopsched.settings import Settings
+from hopsched.urls import mask_url
 
 __all__ = [
     "CONNECT_TIMEOUT_S",

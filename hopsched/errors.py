@@ -159,7 +159,7 @@ class MetricsEndpointError(HopschedError, OSError):
 
 
 class ManagementAPIError(HopschedError):
-    """RabbitMQ's management HTTP API did not answer, or refused (``hopsched.management``).
+    """RabbitMQ's management HTTP API did not answer, or refused (``hopsched.broker.management``).
 
     Attributes:
         status: the last HTTP status received (401/403: the user lacks the tag; 404: no

@@ -11,12 +11,13 @@ from dataclasses import dataclass, fields
 from typing import Literal, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from hopsched.core.ladder import Ladder
+from hopsched.core.signing import Signatures, SigningKey, parse_signing_keys
+from hopsched.core.targets import TargetPolicy
 from hopsched.errors import InvalidSettingsError
-from hopsched.ladder import Ladder
-from hopsched.signing import Signatures, SigningKey, parse_signing_keys
-from hopsched.targets import TargetPolicy
+from hopsched.urls import mask_url, split_urls
 
-__all__ = ["QueueType", "Settings", "mask_url", "split_urls"]
+__all__ = ["QueueType", "Settings"]
 
 QueueType = Literal["quorum", "classic"]
 
@@ -26,47 +27,6 @@ MAX_MESSAGE_SIZE = 16 * 1024 * 1024
 BROKER_MAX_MESSAGE_SIZE = 512 * 1024 * 1024
 _PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$")
 _ENV = "HOPSCHED_"
-# Several node URLs: split at a comma only where the next URL starts, so that an
-# unencoded comma inside a password does not split it.
-_URL_SEPARATOR = re.compile(r"\s*,\s*(?=amqps?://)")
-
-
-def split_urls(url: str) -> list[str]:
-    """The node URLs in a comma-separated ``url`` (one URL gives a list of one).
-
-    A comma separates two URLs only where ``amqp://`` or ``amqps://`` follows it.
-    """
-    return [part for part in _URL_SEPARATOR.split(url.strip()) if part]
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and output); a
-    comma-separated list of URLs has each one masked.
-
-    Works on the raw text, not a URL parser: the user info is everything between
-    ``://`` and the last ``@``, so a password holding unencoded ``/``, ``#`` or ``?``
-    is masked too.
-    """
-    parts = split_urls(url)
-    if len(parts) > 1:
-        return ",".join(_mask_one(part) for part in parts)
-    return _mask_one(url)
-
-
-def _mask_one(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not sep:  # malformed (e.g. no scheme): mask everything from the first ':' to the '@'
-        head, at, hostpart = url.rpartition("@")
-        if not at or ":" not in head:
-            return url
-        return f"{head.split(':', 1)[0]}:***@{hostpart}"
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{hostpart}"
-
-
 #: The URL query options hopsched's connections read (aio-pika's and aiormq's names):
 #: each option and the rule its value must follow. Any other option is refused: an option
 #: no connection reads (``frame_max``, a typo) would be silently ignored.
@@ -202,7 +162,7 @@ class Settings:
             relay widens it to 1.5 x the recent peak overshoot (``OvershootTracker``).
         queue_type: ``"quorum"`` (replicated, at-least-once dead-lettering; the default)
             or ``"classic"`` (the broker dead-letters at-most-once: a broker crash can lose
-            messages, measured in tests/test_faults.py).
+            messages, measured in tests/faults/test_crashes.py).
         prefetch: unacknowledged deliveries a relay takes at once (AMQP ``basic.qos``).
             Each message it holds until due takes one, so this bounds a burst it can
             hold: 20,000 holds a burst of 10,000 messages due at one instant and keeps a
@@ -234,7 +194,7 @@ class Settings:
             needs ``signing_keys``.
         management_url: base URL(s) of RabbitMQ's management HTTP API, comma-separated
             (``http://rabbit:15672/``), which tells the relay, ``status`` and the
-            Scheduler the policies in force (``hopsched.policy_watch``); empty (the
+            Scheduler the policies in force (``hopsched.broker.policy_watch``); empty (the
             default): ``http://HOST:15672/`` for each node URL's host. The login is the
             AMQP URL's.
         max_message_size: the largest body ``schedule()`` sends, bytes; a larger one is
@@ -374,7 +334,7 @@ class Settings:
 
     @property
     def signatures(self) -> Signatures:
-        """The signing keys and requirement, for this prefix (``hopsched.signing``)."""
+        """The signing keys and requirement, for this prefix (``hopsched.core.signing``)."""
         keys = cast(tuple[SigningKey, ...], self.signing_keys)  # parsed in __post_init__
         return Signatures(keys, self.prefix, required=self.require_signatures)
 

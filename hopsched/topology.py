@@ -15,7 +15,8 @@ import aiormq
 from pamqp.commands import Basic
 
 from hopsched.connect import connect
-from hopsched.envelope import BROKER_DELIVERY_COUNT_HEADER
+from hopsched.core.envelope import BROKER_DELIVERY_COUNT_HEADER
+from hopsched.core.ladder import MAX_STEP_MS, Ladder, describe_steps, ladder_of, retention_bound_us
 from hopsched.errors import (
     AccessRefusedError,
     BrokerUnavailableError,
@@ -24,8 +25,6 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
     TopologyMismatchError,
 )
-from hopsched.journal import retention_bound_us
-from hopsched.ladder import MAX_STEP_MS, Ladder, describe_steps, ladder_of
 from hopsched.settings import QueueType, Settings
 
 __all__ = [
@@ -82,10 +81,10 @@ RELAY_CONSUMER_ARGUMENTS = {"x-consumer-timeout": 1_800_000}
 #: (-1, "unlimited" on 4.x, means "drop at the first return" on 3.10.)
 PARKED_DELIVERY_LIMIT = 1_000_000
 #: How long the cancellation stream keeps a record, µs: the top step (every pending
-#: message comes by a relay at least that often) and a day (``hopsched.cancel``).
+#: message comes by a relay at least that often) and a day (``hopsched.core.cancel``).
 CANCEL_RETENTION_US = MAX_STEP_MS * 1000 + 86_400_000_000
 #: How long the journal ``{prefix}.journal`` keeps a record, µs: the oldest the newest
-#: record of a pending message can be (``journal.retention_bound_us``: the top step and
+#: record of a pending message can be (``ladder.retention_bound_us``: the top step and
 #: two refresh steps: about 51.3 days) and a day. RabbitMQ drops a stream's records a
 #: whole segment at a time, once all of the segment is older (at least this long).
 JOURNAL_RETENTION_US = retention_bound_us(MAX_STEP_MS) + 86_400_000_000
@@ -205,7 +204,7 @@ def ladder_mismatch(
     behind the operator's back. No step at all (a prefix declared by hopsched < 0.2),
     or steps with holes (queues an operator or a policy deleted) are no other ladder:
     the missing ones are declared again, as for one (F27). Steps found that ``ladder``
-    lacks are fine for it (a Scheduler on a sub-range, tests/test_field_cases.py F02b;
+    lacks are fine for it (a Scheduler on a sub-range, tests/broker/test_field_cases.py F02b;
     ``check_ladder`` logs them).
     """
     present = set(found)
@@ -291,13 +290,13 @@ class Topology:
 
     @property
     def journal_stream(self) -> str:
-        """``{prefix}.journal``: what happened to each schedule (``hopsched.journal``)."""
+        """``{prefix}.journal``: what happened to each schedule (``hopsched.journal.records``)."""
         return f"{self.prefix}.journal"
 
     @property
     def ingress_queue(self) -> str:
         """``{prefix}.ingress``: what producers publish with ``x-delay`` to an ingress
-        exchange (``hopsched.ingress``), until a relay schedules it."""
+        exchange (``hopsched.core.ingress``), until a relay schedules it."""
         return f"{self.prefix}.ingress"
 
     @property
@@ -390,13 +389,14 @@ class Topology:
           exchange), ``{prefix}.relay`` (its binding) and ``target_exchanges`` ("" is the
           default exchange); read on the steps (a queue with a dead-letter exchange needs
           read on itself, https://www.rabbitmq.com/docs/dlx#security), the relay queue,
-          the stream and ``{prefix}.expired`` (the binding): not on the parking queue.
+          the streams (the journal: to restore a cancel stream declared anew) and
+          ``{prefix}.expired`` (the binding): not on the parking queue.
         * ``"operator"`` (declare, status, teardown, upgrade, parked list and replay,
           cancel and reschedule): configure and read on every object of the prefix and
           on ``upgrade``'s holding queues; write on ``amq.default``, ``{prefix}.expired``
           and the relay and holding queues (bindings).
 
-        With ``ingress_exchanges`` (``hopsched.ingress``): a producer may write on those
+        With ``ingress_exchanges`` (``hopsched.core.ingress``): a producer may write on those
         exchanges and nothing else (it publishes with ``x-delay`` as to the plugin); the
         operator may also configure and read them (``hopsched ingress declare`` binds
         them to ``{prefix}.ingress``). The relay reads ``{prefix}.ingress`` and writes on
@@ -429,7 +429,7 @@ class Topology:
             return Permissions(
                 configure=rf"^{prefix}({own})$",
                 write=f"^({write})$",
-                read=rf"^{prefix}(step\.[0-9]+|expired|relay|ingress|cancelled)$",
+                read=rf"^{prefix}(step\.[0-9]+|expired|relay|ingress|cancelled|journal)$",
             )
         if role == "operator":
             every = "|".join([rf"{prefix}({own}|due\..+|{holds})", *ingresses])
@@ -492,10 +492,10 @@ class Topology:
         return queues
 
     def ingress_queues(self) -> dict[str, dict[str, Any]]:
-        """The queues of the x-delay ingress (``hopsched.ingress``), declared by every
+        """The queues of the x-delay ingress (``hopsched.core.ingress``), declared by every
         relay: ``{prefix}.ingress``, like the relay queue (a delivery limit, dead-lettered
         into parking), and the stream ``{prefix}.ingresses`` (a few records, kept). Not
-        in ``queues()``: the policy checks (``hopsched.policies``) cover the ladder's."""
+        in ``queues()``: the policy checks (``hopsched.broker.policies``) cover the ladder's."""
         return {
             self.ingress_queue: self.relay_arguments(),
             self.ingress_registry: {"x-queue-type": "stream"},

@@ -27,10 +27,6 @@ from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
-from broker import node_tmp_path as node_tmp_path
-from broker import private_broker as private_broker
-from broker import start_private_broker as start_private_broker
-from leftovers import LeftoverCheck, NotTheTestBroker, Thing
 from support import (
     BROKER_URL,
     RUN_MARKER,
@@ -40,8 +36,15 @@ from support import (
     rabbitmqctl_command,
     unique,
 )
+from support.leftovers import LeftoverCheck, NotTheTestBroker, Thing
+from support.private_nodes import node_targets as node_targets
+from support.private_nodes import node_tmp_path as node_tmp_path
+from support.private_nodes import private_broker as private_broker
+from support.private_nodes import start_private_broker as start_private_broker
+from support.relays import relay_processes as relay_processes
 
 import hopsched
+import hopsched.urls
 
 #: What this run leaves on the test broker, checked once the run ends.
 LEFTOVERS = LeftoverCheck(rabbitmqctl_command(), RUN_MARKER)
@@ -181,7 +184,7 @@ def broker_url(pytestconfig: pytest.Config) -> str:
         problem = pool.submit(_probe, BROKER_URL).result()
     if problem is not None:
         pytest.fail(
-            f"RabbitMQ is not reachable at {hopsched.mask_url(BROKER_URL)} ({problem}). "
+            f"RabbitMQ is not reachable at {hopsched.urls.mask_url(BROKER_URL)} ({problem}). "
             "The integration tests need a running broker: start it "
             "(rabbitmq-server -detached) or point HOPSCHED_TEST_URL at one.",
             pytrace=False,

@@ -56,6 +56,10 @@ class Outcome(enum.Enum):
     NACK = "nack"  #: the broker refused it (e.g. a queue full with reject-publish)
     RETURNED = "returned"  #: ``mandatory`` and no queue was bound (detail: ``Returned``)
     CLOSED = "closed"  #: the channel or connection closed first (detail: the error)
+    #: no answer within the publish's ``silence_s`` while the broker answered a later
+    #: publish on its channel: its queue neither confirms nor nacks (a frozen quorum
+    #: leader); it may still be confirmed, and its message delivered, later
+    SILENT = "silent"
 
 
 class Returned:

@@ -39,7 +39,7 @@ from hopsched.amqp.wire import (
     method_frame,
 )
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
-from hopsched.settings import mask_url
+from hopsched.urls import mask_url
 
 __all__ = ["Connection", "ConnectionParams", "connect", "silent_peer"]
 

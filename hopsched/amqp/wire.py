@@ -352,7 +352,7 @@ class Table(Mapping[str, Any]):
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> Table:
-        """Encode a dict of Python values (pamqp's types; ``hopsched.validate`` checks them).
+        """Encode a dict of Python values (pamqp's types; ``hopsched.core.validate`` checks them).
 
         Raises:
             TypeError, ValueError: a key or value pamqp cannot encode.

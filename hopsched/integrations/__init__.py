@@ -1,2 +1,3 @@
-"""Task-framework integrations: Celery (``hopsched[celery]``) and Dramatiq
-(``hopsched[dramatiq]``), and the synchronous scheduler both use (``sync``)."""
+"""Task-framework integrations: Celery (``hopsched[celery]``), Dramatiq
+(``hopsched[dramatiq]``), the synchronous scheduler both use (``sync``), and Taskiq
+(``hopsched[taskiq]``, asyncio: the ``Scheduler`` itself)."""

@@ -25,10 +25,10 @@ from celery.result import AsyncResult
 from kombu import compression, serialization
 from kombu.entity import DELIVERY_MODES, Exchange
 
-from hopsched.clock import now_us, us_to_datetime
+from hopsched.client.scheduler import Cancelled
+from hopsched.core.clock import now_us, us_to_datetime
 from hopsched.errors import InvalidScheduleError, InvalidSettingsError
 from hopsched.integrations.sync import SyncScheduler
-from hopsched.scheduler import Cancelled
 from hopsched.settings import Settings
 
 __all__ = ["HopschedAMQP", "cancel", "install", "schedule_signature", "scheduler"]
@@ -123,7 +123,7 @@ def cancel(app: Celery, task_id: str, *, due: datetime | None = None) -> Cancell
         app: the app ``install()`` was called on.
         task_id: the task's id (its schedule id).
         due: its due time, if known: ``Cancelled.in_time`` then says whether the cancel
-            came at least ``hopsched.scheduler.CANCEL_LEAD_S`` (50 ms) before it.
+            came at least ``hopsched.client.scheduler.CANCEL_LEAD_S`` (50 ms) before it.
 
     Returns:
         ``Cancelled``, once the broker confirmed the cancel.

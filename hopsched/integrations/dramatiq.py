@@ -18,9 +18,9 @@ from dramatiq import Message
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import current_millis, dq_name
 
-from hopsched.clock import us_to_datetime
+from hopsched.client.scheduler import Cancelled
+from hopsched.core.clock import us_to_datetime
 from hopsched.integrations.sync import SyncScheduler
-from hopsched.scheduler import Cancelled
 from hopsched.settings import Settings
 
 __all__ = ["HopschedBroker"]

@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 import aio_pika
 
+from hopsched.client.scheduler import Cancelled, Scheduler
+from hopsched.client.sending import Scheduled
 from hopsched.errors import InvalidSettingsError
-from hopsched.journal import ScheduleInfo
-from hopsched.scheduler import Cancelled, Scheduled, Scheduler
+from hopsched.journal.records import ScheduleInfo
 from hopsched.settings import Settings
 
 __all__ = ["SyncScheduler"]

@@ -1,0 +1,113 @@
+"""Acks of deliveries finished out of order: every finished delivery is acked exactly once,
+none before it finished, and a ``multiple`` ack only ever names a tag still outstanding
+(RabbitMQ closes the channel with 406 "unknown delivery tag" otherwise).
+
+The channel here records what the Acker sends; the relay tests run it against the broker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hopsched.amqp.acks import Acker
+
+
+class RecordingChannel:
+    def __init__(self, lazy: bool = True) -> None:
+        self.sent: list[tuple[str, int, bool]] = []
+        self.lazy = lazy  # what every ack must ask for
+
+    def ack(self, tag: int, *, multiple: bool = False, lazy: bool = False) -> None:
+        assert lazy is self.lazy  # by default, acks ride with the connection's next write
+        self.sent.append(("ack", tag, multiple))
+
+    def nack(self, tag: int, *, requeue: bool) -> None:
+        assert requeue is False
+        self.sent.append(("nack", tag, False))
+
+
+def broker_view(sent: list[tuple[str, int, bool]], delivered: list[int]) -> dict[int, str]:
+    """What the broker makes of the frames: tag -> how it was settled, checking each
+    frame the way RabbitMQ does."""
+    outstanding = list(delivered)
+    settled: dict[int, str] = {}
+    for method, tag, multiple in sent:
+        assert tag in outstanding, f"{method} of tag {tag}, which is not outstanding"
+        covered = [t for t in outstanding if t <= tag] if multiple else [tag]
+        for t in covered:
+            outstanding.remove(t)
+            settled[t] = method
+    return settled
+
+
+@given(
+    count=st.integers(1, 60),
+    data=st.data(),
+)
+async def test_every_finished_delivery_is_settled_once_and_only_after_it_finished(
+    count: int, data: Any
+) -> None:
+    channel = RecordingChannel()
+    acker = Acker(channel)  # type: ignore[arg-type]
+    tags = list(range(1, count + 1))
+    for tag in tags:
+        acker.received(tag)
+    order = data.draw(st.permutations(tags))
+    rejected = set(data.draw(st.lists(st.sampled_from(tags), max_size=5)))
+    finished: set[int] = set()
+    for tag in order:
+        if tag in rejected:
+            acker.rejected(tag)
+        else:
+            acker.done(tag)
+        finished.add(tag)
+        if data.draw(st.booleans()):  # the end of an event-loop iteration
+            acker.flush()
+            assert set(broker_view(channel.sent, tags)) <= finished
+    acker.flush()
+
+    settled = broker_view(channel.sent, tags)
+    assert settled == {tag: "nack" if tag in rejected else "ack" for tag in tags}
+    assert len(acker) == 0
+
+
+async def test_a_finished_run_at_the_front_takes_one_ack() -> None:
+    channel = RecordingChannel()
+    acker = Acker(channel)  # type: ignore[arg-type]
+    for tag in range(1, 101):
+        acker.received(tag)
+    for tag in range(1, 101):
+        acker.done(tag)
+    acker.flush()
+
+    assert channel.sent == [("ack", 100, True)]
+
+
+async def test_a_tag_behind_a_held_one_is_acked_alone_at_once() -> None:
+    channel = RecordingChannel()
+    acker = Acker(channel)  # type: ignore[arg-type]
+    for tag in (1, 2, 3):
+        acker.received(tag)
+    acker.done(2)
+    acker.done(3)
+    acker.flush()
+    acker.done(1)
+    acker.flush()
+
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False), ("ack", 1, True)]
+
+
+async def test_an_acker_made_not_lazy_sends_every_ack_at_once() -> None:
+    """The journal's reader (prefetch 64, publishing nothing) would wait for lazy acks."""
+    channel = RecordingChannel(lazy=False)
+    acker = Acker(channel, lazy=False)  # type: ignore[arg-type]
+    for tag in (1, 2, 3):
+        acker.received(tag)
+    acker.done(1)
+    acker.done(3)
+    acker.flush()
+
+    assert channel.sent == [("ack", 1, True), ("ack", 3, False)]
