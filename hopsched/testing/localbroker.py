@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -66,6 +67,7 @@ __all__ = [
     "private_cluster",
     "private_node",
     "rabbitmq_installation",
+    "run_bounded",
 ]
 
 #: RabbitMQ keeps a node's Ra directory (which Ra server has which data directory) in
@@ -97,6 +99,8 @@ ACTIVE_PLUGINS = (
 )
 #: Seconds a node may take to start and accept an AMQP login.
 START_TIMEOUT_S = 90.0
+#: A node's first start, on new ports each time, when its process exits while starting.
+FIRST_START_ATTEMPTS = 3
 #: Seconds a killed node's process may take to disappear.
 KILL_TIMEOUT_S = 30.0
 #: Where Debian's ``rabbitmq-server`` package keeps the real scripts.
@@ -219,12 +223,72 @@ def not_installed() -> str:
     )
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections and ``bind(0)``: 32768-60999 by
+    default (https://www.kernel.org/doc/html/latest/networking/ip-sysctl.html)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that nothing listens on now, below the kernel's ephemeral
+    range: there, any outgoing connection on the machine may take it as its source port
+    before the node listens (a CI run's node lost its distribution port so and never
+    started). Chosen at random, so that nodes started at once by other processes rarely
+    pick the same; a node that loses its ports anyway is started again on new ones
+    (``PrivateBroker.start``). Below 32768 too (RabbitMQ's CLI tools take the node's
+    distribution port + 10000 and the 10 above it)."""
+    low = min(_ephemeral_ports()[0], 32768)
+    for _ in range(200):
+        port = random.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            found: int = probe.getsockname()[1]
+            return found
+    raise LocalBrokerError("no free TCP port on 127.0.0.1 in 200 tries")
+
+
+async def run_bounded(
+    command: Sequence[str], *, within: float, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """Run ``command`` and return its exit status, stdout and stderr (decoded).
+
+    Args:
+        command: the program and its arguments.
+        within: seconds it may take.
+        env: its environment; default: this process's.
+
+    Raises:
+        TimeoutError: it took longer. Its whole process group is killed first, as when
+            the caller is cancelled (RabbitMQ's
+            scripts run ``erl`` as a child, which a kill of the script alone leaves
+            running) and its pipes read to their end: a pipe left open is closed by the
+            garbage collector at some later moment, with a ResourceWarning that a CI run
+            saw fail an unrelated test.
+    """
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        async with asyncio.timeout(within):
+            out, err = await process.communicate()
+    except BaseException:  # the bound, or the caller cancelled: nothing may outlive it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.communicate()
+        raise
+    assert process.returncode is not None
+    return process.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def _alive(pid: int) -> bool:
@@ -234,6 +298,10 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state not in {"Z", "X"}
+
+
+class _ExitedWhileStarting(Exception):
+    """The node's process was gone before it started."""
 
 
 class PrivateBroker:
@@ -274,15 +342,10 @@ class PrivateBroker:
         self.installation = installation
         self.root = root
         self.node = f"hopsched-{uuid.uuid4().hex[:8]}@localhost"
-        self.port = free_port()
-        self.dist_port = free_port()
-        self.management_port: int | None = None
+        self._config = config.strip()
+        self._management = management
         if management:
-            self.management_port = free_port()
             plugins = [*plugins, "rabbitmq_management"]
-            config += (
-                f"\nmanagement.tcp.port = {self.management_port}\nmanagement.tcp.ip = 127.0.0.1\n"
-            )
         self.pid: int | None = None
         self.starts = 0
         self.kills = 0
@@ -296,17 +359,12 @@ class PrivateBroker:
         cookie_file.chmod(0o400)
         (root / "enabled_plugins").write_text(f"[{','.join(plugins)}].\n")
         (root / "rabbitmq-env.conf").write_text("")  # not /etc/rabbitmq's NODENAME
-        (root / "rabbitmq.conf").write_text(
-            f"listeners.tcp.default = 127.0.0.1:{self.port}\n{config.strip()}\n"
-        )
         self.log_file = logs / f"{self.node}.log"
         self.env = {  # the paths as the scripts see them
             **os.environ,
             "HOME": str(inside(home)),  # the Erlang cookie, for the node and rabbitmqctl
             "RABBITMQ_NODENAME": self.node,
             "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
             "RABBITMQ_MNESIA_BASE": str(inside(data)),
             "RABBITMQ_LOG_BASE": str(inside(logs)),
             "RABBITMQ_PID_FILE": str(inside(self._pid_file)),
@@ -320,6 +378,24 @@ class PrivateBroker:
             self.env["RABBITMQ_PLUGINS_DIR"] = ":".join(
                 str(path) for path in self._plugins_path(plugins_dirs)
             )
+        self._take_ports()
+
+    def _take_ports(self) -> None:
+        """Choose the node's AMQP, distribution and management ports and write them into
+        its configuration and environment (again when it lost one while first starting)."""
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.management_port: int | None = free_port() if self._management else None
+        management = (
+            f"management.tcp.port = {self.management_port}\nmanagement.tcp.ip = 127.0.0.1\n"
+            if self._management
+            else ""
+        )
+        (self.root / "rabbitmq.conf").write_text(
+            f"listeners.tcp.default = 127.0.0.1:{self.port}\n{management}{self._config}\n"
+        )
+        self.env["RABBITMQ_NODE_PORT"] = str(self.port)
+        self.env["RABBITMQ_DIST_PORT"] = str(self.dist_port)
 
     def _plugins_path(self, plugins_dirs: Sequence[Path]) -> list[Path]:
         """The installation's ``plugins/`` and then ``plugins_dirs``, as the scripts see
@@ -387,25 +463,67 @@ class PrivateBroker:
             raise LocalBrokerError(
                 f"node {self.node}: {self.installation} runs with chroot, which needs root"
             )
-        self._pid_file.unlink(missing_ok=True)  # else `wait` reads the killed node's pid
         started = time.monotonic()
-        server = await asyncio.create_subprocess_exec(
-            *self.installation.command("rabbitmq-server", "-detached"), env=self.env
-        )
-        await server.wait()
-        pid_file = str(self.installation.inside(self._pid_file))
-        try:
-            await self.rabbitmqctl("wait", pid_file, "--timeout", str(int(within)))
-        except LocalBrokerError as failure:
-            tail = "\n".join(self.log().splitlines()[-15:])
-            raise LocalBrokerError(
-                f"node {self.node} did not start: {failure}\nits log ends:\n{tail}"
-            ) from None
-        finally:
-            self.pid = self._read_pid()
+        for attempt in range(1, FIRST_START_ATTEMPTS + 1):
+            try:
+                await self._boot(within - (time.monotonic() - started))
+                break
+            except _ExitedWhileStarting as exited:
+                # Never started before: its ports may be chosen anew (a restart keeps
+                # them: its clients know them).
+                if self.starts > 0 or attempt == FIRST_START_ATTEMPTS:
+                    raise LocalBrokerError(str(exited)) from None
+                self._take_ports()
         self.starts += 1
         remaining = within - (time.monotonic() - started)
         await self._wait_accepting(max(remaining, 5.0))
+
+    async def _boot(self, within: float) -> None:
+        """``rabbitmq-server -detached``, then ``rabbitmqctl wait`` for its pid file and
+        boot; ``_ExitedWhileStarting`` as soon as its process is gone."""
+        self._pid_file.unlink(missing_ok=True)  # else `wait` reads the killed node's pid
+        logged = len(self.log())
+        server = await asyncio.create_subprocess_exec(
+            *self.installation.command("rabbitmq-server", "-detached"), env=self.env
+        )
+        await server.wait()  # the VM runs detached by now, or has failed
+        pid_file = str(self.installation.inside(self._pid_file))
+        # rabbitmqctl's own bound first (its message says more), then ours
+        waiting = asyncio.ensure_future(
+            self.rabbitmqctl("wait", pid_file, "--timeout", str(int(within)), within=within + 10)
+        )
+        try:
+            misses = 0
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=1.0)
+                gone = self._read_pid() is None and self._find_pid() is None
+                misses = misses + 1 if gone and not waiting.done() else 0
+                if misses == 2:  # twice, a second apart: not a /proc read's hiccup
+                    raise _ExitedWhileStarting(
+                        f"node {self.node} exited while starting (AMQP port {self.port}, "
+                        f"distribution port {self.dist_port}: one may have been taken)"
+                        f"\nits log ends:\n{self._log_tail()}"
+                    )
+            waiting.result()
+        except LocalBrokerError as failure:
+            if "eaddrinuse" in self.log()[logged:]:  # its AMQP or management port was taken
+                self.close()
+                raise _ExitedWhileStarting(
+                    f"node {self.node} did not start: a port was taken (AMQP {self.port}, "
+                    f"management {self.management_port}): {failure}"
+                ) from None
+            raise LocalBrokerError(
+                f"node {self.node} did not start: {failure}\nits log ends:\n{self._log_tail()}"
+            ) from None
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LocalBrokerError):
+                    await waiting
+            self.pid = self._read_pid()
+
+    def _log_tail(self) -> str:
+        return "\n".join(self.log().splitlines()[-15:])
 
     async def _wait_accepting(self, within: float) -> None:
         problem: BaseException | None = None
@@ -508,24 +626,17 @@ class PrivateBroker:
             LocalBrokerError: it exited non-zero (with its stderr) or took too long.
         """
         command = " ".join(args)
-        process = await asyncio.create_subprocess_exec(
-            *self.installation.command("rabbitmqctl", "-n", self.node, *args),
-            env=self.env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
         try:
-            async with asyncio.timeout(within):
-                out, err = await process.communicate()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-            raise LocalBrokerError(f"rabbitmqctl {command} did not finish in {within} s") from None
-        if process.returncode != 0:
-            raise LocalBrokerError(
-                f"rabbitmqctl {command} exited {process.returncode}: {err.decode()}"
+            status, out, err = await run_bounded(
+                self.installation.command("rabbitmqctl", "-n", self.node, *args),
+                within=within,
+                env=self.env,
             )
-        return out.decode()
+        except TimeoutError:
+            raise LocalBrokerError(f"rabbitmqctl {command} did not finish in {within} s") from None
+        if status != 0:
+            raise LocalBrokerError(f"rabbitmqctl {command} exited {status}: {err}")
+        return out
 
     def _read_pid(self) -> int | None:
         try:
@@ -534,13 +645,14 @@ class PrivateBroker:
             return None
 
     def _find_pid(self) -> int | None:
-        """The node's process found by its ``-home`` argument, for a node interrupted
-        while starting, before it wrote its pid file."""
+        """The node's process found by its ``-home`` argument, before it wrote its pid
+        file; ``-s rabbit`` tells it from a CLI tool's VM run with the same ``HOME``."""
         marker = f"-home\0{self.installation.inside(self.root / 'home')}\0".encode()
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 with contextlib.suppress(OSError):
-                    if marker in (entry / "cmdline").read_bytes():
+                    command = (entry / "cmdline").read_bytes()
+                    if marker in command and b"\0-s\0rabbit\0" in command:
                         return int(entry.name)
         return None
 

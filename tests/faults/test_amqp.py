@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -40,6 +39,7 @@ import hopsched
 import hopsched.connect
 from hopsched.amqp import Outcome
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError
+from hopsched.testing.localbroker import free_port
 
 StartBroker = Callable[..., Awaitable[PrivateBroker]]
 EXTERNAL_USER = "amqp-external-user"
@@ -47,13 +47,6 @@ SSL_PLUGIN = "rabbitmq_auth_mechanism_ssl"
 
 # Private nodes: each test starts one (about 10 s), so the file is in the slow tier.
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 # --- vhosts -------------------------------------------------------------------------------

@@ -69,15 +69,9 @@ def management() -> bool:
 
 @pytest.fixture
 async def managed(start_private_broker: StartBroker, queue_type: str, management: bool) -> Managed:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    if not management:
-        node = await start_private_broker()
-    else:
-        node = await start_private_broker(
-            config=f"management.tcp.port = {port}\nmanagement.tcp.ip = 127.0.0.1",
-            plugins=["rabbitmq_management"],
-        )
+    node = await start_private_broker(management=management)
+    url = node.management_url or f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+    if management:
         for _ in range(100):  # the plugin listens a moment after AMQP
             try:
                 overview = await asyncio.to_thread(_scrape, url + "api/overview", login=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
@@ -27,6 +26,7 @@ from support.private_nodes import PrivateBroker
 
 import hopsched
 from hopsched.core.clock import now_us
+from hopsched.testing.localbroker import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,6 @@ LIBFAKETIME = next(
     ),
     None,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class FakedRelay:
@@ -125,7 +118,7 @@ async def _run(
     if LIBFAKETIME is None:
         pytest.skip("libfaketime is not installed (apt-get install faketime)")
     settings = hopsched.Settings(url=node.url, prefix=unique())
-    relay = FakedRelay(settings, offset, _free_port())
+    relay = FakedRelay(settings, offset, free_port())
     relays.append(relay)
     await relay.start()
     connection = await aio_pika.connect(node.url)
@@ -206,7 +199,7 @@ async def test_F41_hops_that_waited_for_a_relay_do_not_look_like_a_clock_ahead(
             for _ in range(10):
                 await scheduler.schedule(unique("m").encode(), delay=24, routing_key=target.name)
         await asyncio.sleep(21.5)
-        relay = FakedRelay(settings, "", _free_port())
+        relay = FakedRelay(settings, "", free_port())
         faked_relays.append(relay)
         await relay.start()
         consuming_us = now_us()

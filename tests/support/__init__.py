@@ -28,6 +28,7 @@ from pamqp.commands import Basic
 
 import hopsched
 from hopsched.core.clock import now_us
+from hopsched.testing.localbroker import run_bounded
 
 HEADER_ID = "x-hopsched-id"
 HEADER_DUE = "x-hopsched-due"
@@ -333,19 +334,13 @@ async def rabbitmqctl(*args: str, within: float = 60) -> str:
     ``PrivateBroker.rabbitmqctl``.)"""
     command = rabbitmqctl_command()
     assert command is not None
-    process = await asyncio.create_subprocess_exec(
-        *command, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
     try:
-        async with asyncio.timeout(within):
-            out, err = await process.communicate()
+        status, out, err = await run_bounded([*command, *args], within=within)
     except TimeoutError:
-        process.kill()
-        await process.wait()
         pytest.fail(f"rabbitmqctl {' '.join(args)} did not finish in {within} s")
-    if process.returncode != 0:
-        pytest.fail(f"rabbitmqctl {' '.join(args)} exited {process.returncode}: {err.decode()}")
-    return out.decode()
+    if status != 0:
+        pytest.fail(f"rabbitmqctl {' '.join(args)} exited {status}: {err}")
+    return out
 
 
 async def management_url() -> str | None:
@@ -544,15 +539,4 @@ async def hopsched_cli(
     env = dict(os.environ) | {"HOPSCHED_URL": BROKER_URL} | dict(env or {})
     if settings is not None:
         env |= settings_env(settings)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hopsched",
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), within)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await run_bounded([sys.executable, "-m", "hopsched", *args], within=within, env=env)
