@@ -119,9 +119,16 @@ def delay_of(value: Any) -> int:
 
 
 def assert_delivered_as_the_plugin(
-    collector: Collector, delays: Sequence[Any], sent: list[tuple[int, int]], *, ordered: bool
+    collector: Collector,
+    delays: Sequence[Any],
+    sent: list[tuple[int, int]],
+    *,
+    ordered: bool,
+    unordered_between: tuple[int, int] | None = None,
 ) -> None:
-    """Each message once, never early, headers intact; with ``ordered``, in due order."""
+    """Each message once, never early, headers intact; with ``ordered``, in due order,
+    except among those due within ``unordered_between`` (wall-clock µs): a node restart,
+    during which the due ones wait in several queues and come out together."""
     got = [body_of(r)["n"] for r in collector.received]
     assert sorted(got) == list(range(len(delays))), f"delivered (by index): {got}"
     published = dict(sent)
@@ -139,11 +146,13 @@ def assert_delivered_as_the_plugin(
         # took over 100 ms for six, and the last published was due after the first)
         dues = [received.due_us for received in collector.received]
         arrived = [delay_of(delays[n]) for n in got]
+        start, end = unordered_between or (0, 0)
+        checked = [not start <= due <= end for due in dues]
         inversions = [
             (arrived[i], arrived[j])
             for i in range(len(dues))
             for j in range(i + 1, len(dues))
-            if dues[i] - dues[j] > ORDER_GAP_MS * 1000
+            if checked[i] and checked[j] and dues[i] - dues[j] > ORDER_GAP_MS * 1000
         ]
         assert not inversions, (
             f"came before one due over {ORDER_GAP_MS} ms earlier (x-delay, x-delay): "
@@ -466,7 +475,8 @@ async def restart_case(
 ) -> None:
     """Durable ingress (direct) and durable queue on a private node, a relay in-process;
     publish ``delays``, wait ``wait_s``, restart the node (``how``: kill or stop), then
-    consume: every message once, never early, in due order."""
+    consume: every message once, never early, in due order except among those due while
+    the node or the relay was away."""
     settings = hopsched.Settings(url=node.url, prefix=unique(), log_interval_s=5.0)
     relay = await relays.start(settings)
     if how == "kill":
@@ -485,12 +495,14 @@ async def restart_case(
         sent = await publish(connection, name, delays)
     await asyncio.sleep(wait_s)
     restarted = time.monotonic()
+    restarted_us = now_us()
     if how == "kill":
         await node.kill()
     else:
         await node.stop()
     await node.start()
     print(f"node restarted in {time.monotonic() - restarted:.1f} s")
+    back = asyncio.create_task(relay_reconnected_us(relay))
     collector = Collector(queue_name)
     connection = await aio_pika.connect(node.url)
     async with connection:
@@ -516,10 +528,19 @@ async def restart_case(
         n = body_of(r)["n"]
         late_ms = (r.received_us - published[n]) / 1000 - delays[n]
         print(f"x-delay {delays[n]} arrived {late_ms:.0f} ms after due, id {r.schedule_id}")
-    async with asyncio.timeout(30):  # the relay reconnected (its back-off reaches 5 s)
-        while relay.stats.reconnects < 1:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-    assert_delivered_as_the_plugin(collector, delays, sent, ordered=True)
+    back_us = await asyncio.wait_for(back, 30)  # the relay's back-off reaches 5 s
+    # Due while the node was down or the relay away, a message waits in its step queue or
+    # the relay queue, and all such come out together when both are back: in any order
+    # (a CI run saw x-delay 1000 after 2000 and 3000, all three overdue at the restart).
+    window = (restarted_us, back_us + ORDER_GAP_MS * 1000)
+    assert_delivered_as_the_plugin(collector, delays, sent, ordered=True, unordered_between=window)
+
+
+async def relay_reconnected_us(relay: hopsched.Relay) -> int:
+    """When (wall clock, µs) the relay counted its first reconnect."""
+    while relay.stats.reconnects < 1:  # noqa: ASYNC110 (a counter: it signals nothing)
+        await asyncio.sleep(0.02)
+    return now_us()
 
 
 @pytest.mark.slow
