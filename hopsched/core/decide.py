@@ -137,12 +137,14 @@ class Route:
 class Wait:
     """A step returned it early: route it anew after ``wait_us`` µs (``decide`` with
     ``rerouted=True``), not at once. ``queue`` is the step, ``reason`` says what came
-    back and why, for the log."""
+    back and why, for the log; ``kept_alive``: the step's delivery limit returned it,
+    which the relay's own keep-alive gets reach (expected, not an operator's problem)."""
 
     envelope: Envelope
     wait_us: int
     queue: str
     reason: str
+    kept_alive: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +335,9 @@ class Decider:
                     "it once that is fixed",
                     ParkKind.RETURNED_EARLY,
                 )
-            return Wait(envelope, min(early_us, WAIT_MAX_US), queue, came)
+            return Wait(
+                envelope, min(early_us, WAIT_MAX_US), queue, came, reason == "delivery_limit"
+            )
         return Route(envelope, plan)
 
     def verdict(self, cancellations: Cancellations, envelope: Envelope) -> str | int | None:
