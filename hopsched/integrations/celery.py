@@ -11,6 +11,7 @@ schedule id is the task id: ``cancel(app, task_id)`` cancels it durably. docs/ce
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import datetime
 from functools import cached_property
@@ -27,11 +28,13 @@ from kombu.entity import DELIVERY_MODES, Exchange
 
 from hopsched.client.scheduler import Cancelled
 from hopsched.core.clock import now_us, us_to_datetime
-from hopsched.errors import InvalidScheduleError, InvalidSettingsError
+from hopsched.errors import HopschedError, InvalidScheduleError, InvalidSettingsError
 from hopsched.integrations.sync import SyncScheduler
 from hopsched.settings import Settings
 
 __all__ = ["HopschedAMQP", "cancel", "install", "schedule_signature", "scheduler"]
+
+log = logging.getLogger("hopsched.integrations.celery")
 
 #: Celery's native delayed delivery (quorum queues, 5.5+) sends a delayed task to this
 #: exchange (``PREFIX_`` first, with a prefix); its delivery exchange forwards it to the
@@ -57,23 +60,26 @@ class HopschedAMQP(AMQP):  # type: ignore[misc]  # celery has no type informatio
     still to come are scheduled on ``hopsched_scheduler``, the rest sent as usual."""
 
     hopsched_scheduler: SyncScheduler
+    hopsched_fallback: bool = True
 
     @cached_property
     def send_task_message(self) -> Callable[..., Any]:
         send: Callable[..., Any] = self._create_task_sender()
-        app, scheduler = self.app, self.hopsched_scheduler
+        app, scheduler, fallback = self.app, self.hopsched_scheduler, self.hopsched_fallback
 
         def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
             due = _due(app, message.headers)
             if due is None:
                 return send(producer, name, message, **options)
-            diverted = _Diverted(producer, scheduler, message.headers, due)
+            diverted = _Diverted(producer, scheduler, message.headers, due, fallback)
             return send(diverted, name, message, **options)
 
         return send_task_message
 
 
-def install(app: Celery, settings: Settings, *, declare: bool = False) -> SyncScheduler:
+def install(
+    app: Celery, settings: Settings, *, declare: bool = False, fallback: bool = True
+) -> SyncScheduler:
     """Send ``app``'s delayed tasks through hopsched (see the module's docstring).
 
     Call it where the app is configured, before it sends a task (producers and
@@ -83,6 +89,10 @@ def install(app: Celery, settings: Settings, *, declare: bool = False) -> SyncSc
         app: the Celery app; task protocol 2 (Celery's default).
         settings: hopsched's broker, prefix and ladder; a relay must serve the prefix.
         declare: declare the prefix's topology if it does not exist.
+        fallback: when hopsched cannot take a task (its broker unreachable, the prefix
+            not declared, a publish unconfirmed), send it with its eta as Celery would
+            without hopsched, with a WARNING, rather than raise: a ``retry`` that raised
+            in a worker was rejected and lost. False: raise.
 
     Returns:
         The ``SyncScheduler`` the app now uses (also ``scheduler(app)``).
@@ -93,7 +103,11 @@ def install(app: Celery, settings: Settings, *, declare: bool = False) -> SyncSc
     if not isinstance(app, Celery):
         raise InvalidSettingsError(f"install() needs a Celery app, not {type(app).__name__}")
     bridge = SyncScheduler(settings, declare=declare)
-    app.amqp_cls = type("HopschedAMQP", (HopschedAMQP,), {"hopsched_scheduler": bridge})
+    app.amqp_cls = type(
+        "HopschedAMQP",
+        (HopschedAMQP,),
+        {"hopsched_scheduler": bridge, "hopsched_fallback": fallback},
+    )
     app.__dict__.pop("amqp", None)  # an app.amqp made before uses the new class from now
     return bridge
 
@@ -186,15 +200,22 @@ def _due(app: Celery, headers: dict[str, Any]) -> datetime | None:
 class _Diverted:
     """Stands in for the producer while one task message is sent: that message (the
     one whose headers are ``headers``) is scheduled on hopsched; anything else (the
-    ``task-sent`` event) and every other attribute go to the real producer."""
+    ``task-sent`` event) and every other attribute go to the real producer. With
+    ``fallback``, a message hopsched cannot take goes to the real producer too."""
 
     def __init__(
-        self, producer: Any, scheduler: SyncScheduler, headers: dict[str, Any], due: datetime
+        self,
+        producer: Any,
+        scheduler: SyncScheduler,
+        headers: dict[str, Any],
+        due: datetime,
+        fallback: bool,
     ) -> None:
         self._producer = producer
         self._scheduler = scheduler
         self._headers = headers
         self._due = due
+        self._fallback = fallback
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._producer, name)
@@ -203,7 +224,19 @@ class _Diverted:
         if options.get("headers") is not self._headers:
             self._producer.publish(body, **options)
             return
-        self._schedule(body, **options)
+        try:
+            self._schedule(body, **options)
+        except HopschedError as error:
+            if not self._fallback or isinstance(error, ValueError):  # ValueError: the caller's
+                raise
+            log.warning(
+                "hopsched did not take task %s (%s): sent with its eta, held by a worker "
+                "until due, as Celery delays without hopsched (a timed-out one may also be "
+                "delivered by hopsched: at least once)",
+                self._headers.get("id"),
+                error,
+            )
+            self._producer.publish(body, **options)
 
     def _schedule(
         self,

@@ -11,6 +11,7 @@ cancels it durably. docs/dramatiq.md.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aio_pika
@@ -20,10 +21,13 @@ from dramatiq.common import current_millis, dq_name
 
 from hopsched.client.scheduler import Cancelled
 from hopsched.core.clock import us_to_datetime
+from hopsched.errors import HopschedError
 from hopsched.integrations.sync import SyncScheduler
 from hopsched.settings import Settings
 
 __all__ = ["HopschedBroker"]
+
+log = logging.getLogger("hopsched.integrations.dramatiq")
 
 
 class HopschedBroker(RabbitmqBroker):
@@ -33,6 +37,10 @@ class HopschedBroker(RabbitmqBroker):
         hopsched_settings: hopsched's broker, prefix and ladder; a relay must serve the
             prefix.
         declare: declare the prefix's topology if it does not exist.
+        fallback: when hopsched cannot take a delayed message (its broker unreachable,
+            the prefix not declared, a publish unconfirmed), enqueue it on ``.DQ`` as
+            ``RabbitmqBroker`` would, with a WARNING, rather than raise: a ``Retries``
+            back-off that raised in a worker was acked and lost. False: raise.
         kwargs: ``RabbitmqBroker``'s own (``url``, ``middleware``, ``max_priority``,
             ``confirm_delivery``, ...).
 
@@ -41,10 +49,16 @@ class HopschedBroker(RabbitmqBroker):
     """
 
     def __init__(
-        self, *, hopsched_settings: Settings, declare: bool = False, **kwargs: Any
+        self,
+        *,
+        hopsched_settings: Settings,
+        declare: bool = False,
+        fallback: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.hopsched = SyncScheduler(hopsched_settings, declare=declare)
+        self.fallback = fallback
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """Enqueue ``message``; with a ``delay`` (ms), schedule it on hopsched.
@@ -55,8 +69,10 @@ class HopschedBroker(RabbitmqBroker):
             expects), once the broker confirmed it.
 
         Raises:
-            As ``RabbitmqBroker.enqueue``; with ``delay``, as ``Scheduler.schedule``
-            (hopsched's ``BrokerUnavailableError``, ``PublishTimeoutError``, ...).
+            As ``RabbitmqBroker.enqueue``; with ``delay``, hopsched's errors of the
+            caller's making (``InvalidScheduleError``, ...), and, without ``fallback``,
+            as ``Scheduler.schedule`` (``BrokerUnavailableError``,
+            ``PublishTimeoutError``, ``PrefixNotDeclaredError``, ...).
         """
         if delay is None or delay <= 0:
             return super().enqueue(message, delay=delay)
@@ -67,16 +83,30 @@ class HopschedBroker(RabbitmqBroker):
         self.declare_queue(queue_name, ensure=True)  # as RabbitmqBroker does before sending
         self.emit_before("enqueue", delayed, delay)
         # Delivered as the worker would re-enqueue it from .DQ: its queue, no eta.
-        self.hopsched.schedule(
-            aio_pika.Message(
-                message.encode(),
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                priority=message.options.get("broker_priority"),
-            ),
-            at=us_to_datetime(eta_ms * 1000),
-            routing_key=queue_name,
-            schedule_id=message.message_id,
-        )
+        try:
+            self.hopsched.schedule(
+                aio_pika.Message(
+                    message.encode(),
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    priority=message.options.get("broker_priority"),
+                ),
+                at=us_to_datetime(eta_ms * 1000),
+                routing_key=queue_name,
+                schedule_id=message.message_id,
+            )
+        except HopschedError as error:
+            if not self.fallback or isinstance(error, ValueError):  # ValueError: the caller's
+                raise
+            # Middleware sees before_enqueue again, as on RabbitmqBroker's own retries.
+            log.warning(
+                "hopsched did not take message %s (%s): it goes on %s, held by a worker "
+                "until due, as Dramatiq delays without hopsched (a timed-out one may also "
+                "be delivered by hopsched: at least once)",
+                message.message_id,
+                error,
+                dq_name(queue_name),
+            )
+            return super().enqueue(message, delay=delay)
         self.emit_after("enqueue", delayed, delay)
         return delayed
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -359,6 +360,27 @@ async def test_a_task_whose_queue_is_gone_when_due_is_parked_with_a_reason(
     assert message.headers["id"] == sent.id, "Celery's headers travel with it"
     assert made.worker.of(sent.id) == []
     print(f"parked: {message.headers[HEADER_PARKED_REASON]}")
+
+
+async def test_a_task_hopsched_cannot_take_is_sent_with_its_eta_as_celery_would(
+    settings: hopsched.Settings, cleanup: Cleanup, tmp_path: Path
+) -> None:
+    """A prefix never declared (a worker's misconfiguration): a countdown task and a
+    ``retry(countdown=…)`` are sent with their eta, as without hopsched, and run once,
+    not early; a retry that raised was rejected and lost."""
+    undeclared = dataclasses.replace(settings, prefix=unique())
+    async with running_app(undeclared, cleanup, tmp_path) as made:
+        start = datetime.now(UTC)
+        sent = await send(made.record, "fallback", countdown=2.0)
+        retried = await send(made.retrying, "x")
+        await made.worker.wait_for(3, within=WITHIN_S + 5)
+        await asyncio.sleep(1.0)  # a duplicate would come now
+        assert made.worker.counts() == Counter({sent.id: 1, retried.id: 2})
+        (run,) = made.worker.of(sent.id)
+        assert run.eta is not None, "Celery's own eta: the worker held it"
+        assert run.at_us >= _due_us(start) + 2_000_000, "never early"
+        first, second = made.worker.of(retried.id)
+        assert second.at_us - first.at_us >= 1_000_000, "never early"
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -231,6 +232,34 @@ async def test_a_message_whose_queue_is_gone_when_due_is_parked_with_a_reason(
     assert message.headers[HEADER_PARKED_REASON]
     assert dramatiq.Message.decode(message.body).message_id == sent.message_id
     print(f"parked: {message.headers[HEADER_PARKED_REASON]}")
+
+
+async def test_a_delay_hopsched_cannot_take_goes_through_dramatiq_s_own_delay_queue(
+    broker_url: str, settings: hopsched.Settings, cleanup: Cleanup
+) -> None:
+    """A prefix never declared (a worker's misconfiguration): the delayed message and a
+    Retries back-off go through ``.DQ``, as without hopsched, and run once, not early;
+    a retry that raised was acked and lost. With ``fallback=False`` the send raises."""
+    undeclared = dataclasses.replace(settings, prefix=unique())
+    async with running(broker_url, undeclared, cleanup) as made:
+        sent = await send(made.record, "fallback", delay=1500)
+        flaky = await send(made.flaky, "retried")
+        await made.runs.wait_for(3, within=WITHIN_S + 5)
+        await asyncio.sleep(1.0)  # a duplicate would come now
+        assert made.runs.counts() == Counter({sent.message_id: 1, flaky.message_id: 2})
+        (run,) = made.runs.of(sent.message_id)
+        assert run.at_us >= sent.options["eta"] * 1000, "never early"
+    strict = HopschedBroker(
+        hopsched_settings=undeclared, url=broker_url, max_priority=9, fallback=False
+    )
+    try:
+        actor = dramatiq.actor(
+            lambda: None, actor_name=unique("strict"), queue_name=made.queue, broker=strict
+        )
+        with pytest.raises(hopsched.PrefixNotDeclaredError):
+            await send(actor, delay=1500)
+    finally:
+        await asyncio.to_thread(strict.close)
 
 
 @pytest.mark.slow
