@@ -374,6 +374,8 @@ class Relay:
         self.cancellations.forget(self.clock())
         for line in self.stats.report(now - since):
             log.info("%s", line)
+        if refused := self.stats.refused_report():
+            log.warning("%s", refused)
         self.hop_timing.new_interval()
 
 

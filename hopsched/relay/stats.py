@@ -376,16 +376,23 @@ class RelayStats:
             for (target, problem), count in sorted(self._problems.items())
             if count > 1
         ]
-        refused = self.record_tally.refused
-        if (total := sum(refused.values())) > self._refused_reported:
-            self._refused_reported = total
-            counts = ", ".join(f"{reason} {count}" for reason, count in sorted(refused.items()))
-            lines.append(f"records of the cancel stream ignored since start: {counts}")
         self._interval = _Counts()
         self._problems.clear()
         self._offset_samples.clear()
         self._warned_offsets.clear()
         return lines
+
+    def refused_report(self) -> str | None:
+        """The interval's line on records of the cancel stream ignored (forged, altered,
+        unsigned where signatures are required, delivered there by a relay): their counts
+        since start if any came since the last report, else None. A relay logs it as a
+        WARNING (docs/security.md, "Watching it")."""
+        refused = self.record_tally.refused
+        if (total := sum(refused.values())) <= self._refused_reported:
+            return None
+        self._refused_reported = total
+        counts = ", ".join(f"{reason} {count}" for reason, count in sorted(refused.items()))
+        return f"records of the cancel stream ignored since start: {counts}"
 
     def snapshot(self) -> StatsSnapshot:
         """A copy of the totals since start and the gauges, now (for metrics)."""

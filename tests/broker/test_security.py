@@ -18,6 +18,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import shlex
 import subprocess
 from collections.abc import Callable
@@ -457,10 +458,13 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
     targets: Targets,
     amqp: aio_pika.abc.AbstractConnection,
     signing: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """docs/security.md's table: with signing on, none of Mallory's routes changes
     Alice's schedules; with signing off, the API and the stream routes do (what the
-    default-exchange grant allows), the others are refused, parked or ignored."""
+    default-exchange grant allows), the others are refused, parked or ignored. The
+    relay logs the records it ignored as a WARNING (docs/security.md, "Watching it")."""
+    caplog.set_level(logging.INFO, logger="hopsched.relay")
     relay, target, parked, victims, settings = await run_attacks(
         make_settings, relays, targets, amqp, signing=signing
     )
@@ -531,6 +535,18 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
         assert "4 internal_target" in parked_line
         assert 'hopsched_parked_total{kind="internal_target"} 4.0' in metrics
         assert 'hopsched_records_refused_total{reason="unsigned"} 0.0' in metrics
+
+    # ignored after the relay caught up: its next interval report warns of them
+    def warned() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "hopsched.relay" and r.levelno == logging.WARNING
+            and "records of the cancel stream ignored since start" in r.getMessage()
+        ]  # fmt: skip
+
+    await until(lambda: bool(warned()), within=2 * settings.log_interval_s + 2)
+    assert "relayed 1" in warned()[-1]
 
 
 async def test_F30_key_rotation_new_and_old_then_new_alone(

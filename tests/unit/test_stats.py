@@ -95,3 +95,21 @@ def test_a_producer_behind_is_warned_about_only_past_what_a_hop_may_have_waited(
     assert stats.clock_offsets["p"] == -1_200_000  # the smallest sample, still shown
     assert stats.record_clock_sample("q", 3_500_000, waited_up_to_us=waited) == -3_500_000
     assert stats.record_clock_sample("r", -1_200_000, waited_up_to_us=waited) == 1_200_000
+
+
+def test_ignored_records_get_their_own_line_once_per_new_count() -> None:
+    """docs/security.md says ignored records are logged as a WARNING: the relay logs
+    ``refused_report`` at that level, apart from the interval's INFO lines, and only
+    when records were ignored since the last report."""
+    stats = RelayStats()
+    assert stats.refused_report() is None
+    stats.record_tally.refused["bad_signature"] += 2
+    stats.record_tally.refused["relayed"] += 1
+    line = stats.refused_report()
+    assert line == "records of the cancel stream ignored since start: bad_signature 2, relayed 1"
+    assert not any("ignored" in text for text in stats.report(60.0))
+    assert stats.refused_report() is None  # nothing new
+    stats.record_tally.refused["unsigned"] += 1
+    assert stats.refused_report() == (
+        "records of the cancel stream ignored since start: bad_signature 2, relayed 1, unsigned 1"
+    )
