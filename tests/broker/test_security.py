@@ -545,7 +545,8 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
             and "records of the cancel stream ignored since start" in r.getMessage()
         ]  # fmt: skip
 
-    await until(lambda: bool(warned()), within=2 * settings.log_interval_s + 2)
+    # the next interval report, bounded generously: the loop may lag on a loaded machine
+    await until(lambda: bool(warned()), within=2 * settings.log_interval_s + 30)
     assert "relayed 1" in warned()[-1]
 
 
