@@ -56,6 +56,7 @@ from hopsched.journal.records import (
     JournalRecord,
     ScheduleInfo,
     cancel_copy_record,
+    cancel_owner,
 )
 from hopsched.journal.retry import JournalRetry
 from hopsched.journal.stream import JournalWriter, read_journal
@@ -697,8 +698,12 @@ class Scheduler:
         for schedule in schedules:
             schedule_id, due_us = self._identify(schedule, due)
             records.append(Record(CANCEL, schedule_id, now, due_us))
+        owner = cancel_owner([key.key_id for key in self._signatures.keys])  # whose it takes
         confirmed = await self._write_records(
-            records, journal=[JournalRecord(CANCELLED, r.schedule_id, now, now) for r in records]
+            records,
+            journal=[
+                JournalRecord(CANCELLED, r.schedule_id, now, now, owner=owner) for r in records
+            ],
         )
         for record in records:
             in_time = (

@@ -73,6 +73,8 @@ __all__ = [
     "JournalRecord",
     "ScheduleInfo",
     "cancel_copy_record",
+    "cancel_owner",
+    "cancel_reaches",
     "decode_journal",
     "delivered_record",
     "encode_journal",
@@ -144,7 +146,10 @@ class JournalRecord:
         due_us: the copy's due time, µs since the epoch; None for a cancel.
         exchange, routing_key: the target; None for a cancel.
         size: the body's length, bytes; None for a cancel.
-        owner: the signing key id of the copy's envelope (None: unsigned).
+        owner: the signing key id of the copy's envelope (None: unsigned). For a
+            cancel, whose copies it reaches (``cancel_reaches``): the canceller's key
+            ids, comma-separated; ``""``: unsigned copies only; None (written before
+            cancels said): every copy.
         reason: a ``PARKED`` record's reason (the parked message's reason header).
         origin: a ``SCHEDULED`` record's cause: ``"schedule"``, ``"replace"``,
             ``"reschedule"`` or ``"refresh"`` (a relay wrote it anew, same copy).
@@ -423,16 +428,45 @@ class ScheduleInfo:
         }
 
 
+def cancel_owner(key_ids: Sequence[str]) -> str:
+    """A cancel's ``owner`` in the journal: the key ids its cancel stream records were
+    signed with (``""``: unsigned)."""
+    return ",".join(key_ids)
+
+
+def cancel_reaches(cancel_owner: str | None, copy_owner: str | None) -> bool:
+    """Whether a cancel written by ``cancel_owner`` (``JournalRecord.owner``) takes a copy
+    signed by ``copy_owner``, as the relays decide (``hopsched.core.cancel``): a record
+    reaches the messages its key signed, an unsigned one unsigned messages only. A
+    cancel journaled before it said (None) takes every copy, as it was shown then."""
+    if cancel_owner is None:
+        return True
+    if not cancel_owner:
+        return copy_owner is None
+    return copy_owner is not None and copy_owner in cancel_owner.split(",")
+
+
 class _Entry:
     """One id's fold so far: its newest copy's record, that copy's latest outcome, and
-    the latest cancel."""
+    the cancels (instant and owner): the first that takes the copy is shown."""
 
     __slots__ = ("cancels", "copy", "outcome")
 
     def __init__(self) -> None:
         self.copy: JournalRecord | None = None
         self.outcome: JournalRecord | None = None
-        self.cancels: list[int] = []  # every cancel's instant: the first that applies is shown
+        self.cancels: list[tuple[int, str | None]] = []
+
+    def cancelled_us(self, copy: JournalRecord) -> int | None:
+        """When the first cancel that takes ``copy`` was made; None if none does."""
+        return min(
+            (
+                at
+                for at, owner in self.cancels
+                if at >= copy.created_us and cancel_reaches(owner, copy.owner)
+            ),
+            default=None,
+        )
 
 
 _OUTCOME_RANK = {PARKED: 0, DELIVERED: 1}
@@ -517,10 +551,11 @@ class JournalFold:
         self._string_index: dict[str | None, int] = {None: 0}
         #: The rows whose state is an object (their columns are left as they were).
         self._objects: dict[int, _Entry | JournalRecord] = {}
-        #: With ``only``: every copy of it read (its version) and whether it had an
-        #: outcome, and every cancel's instant (``pending_copies``).
-        self._copies: dict[tuple[int, int], bool] = {}
-        self._cancels: list[int] = []
+        #: With ``only``: every copy of it read (its version), whether it had an
+        #: outcome and its owner, and every cancel's instant and owner
+        #: (``pending_copies``).
+        self._copies: dict[tuple[int, int], tuple[bool, str | None]] = {}
+        self._cancels: list[tuple[int, str | None]] = []
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -531,12 +566,13 @@ class JournalFold:
             return
         if self.only is not None:
             if record.op == CANCELLED:
-                self._cancels.append(record.at_us)
+                self._cancels.append((record.at_us, record.owner))
             else:
                 if record.origin in _CANCELS_OLDER:  # its cancel went to the cancel stream
-                    self._cancels.append(record.created_us - 1)
+                    self._cancels.append((record.created_us - 1, None))
                 version = _version(record)
-                self._copies[version] = self._copies.get(version, False) or record.op != SCHEDULED
+                finished, owner = self._copies.get(version, (False, record.owner))
+                self._copies[version] = (finished or record.op != SCHEDULED, owner)
         row, new = self._ids.add(record.schedule_id)
         entry = None
         if new:
@@ -556,7 +592,7 @@ class JournalFold:
             entry.copy = plain
             self._objects[row] = entry
         if record.op == CANCELLED:
-            entry.cancels.append(record.at_us)
+            entry.cancels.append((record.at_us, record.owner))
             return
         copy = entry.copy
         version = _version(record)
@@ -678,11 +714,11 @@ class JournalFold:
     def pending_copies(self) -> int:
         """With ``only``: how many of its copies are pending (read, neither delivered nor
         parked, nor created at or before a cancel)."""
-        last_cancel = max(self._cancels, default=-1)
         return sum(
             1
-            for (created_us, _), finished in self._copies.items()
-            if not finished and created_us > last_cancel
+            for (created_us, _), (finished, owner) in self._copies.items()
+            if not finished
+            and not any(at >= created_us and cancel_reaches(by, owner) for at, by in self._cancels)
         )
 
     def due_us(self, schedule_id: str) -> int | None:
@@ -775,7 +811,7 @@ def _pending_copy(entry: _Entry | JournalRecord) -> JournalRecord | None:
     copy = entry.copy
     if copy is None or entry.outcome is not None:
         return None
-    if entry.cancels and max(entry.cancels) >= copy.created_us:
+    if entry.cancels and entry.cancelled_us(copy) is not None:
         return None
     return copy
 
@@ -785,17 +821,17 @@ def _info(
 ) -> ScheduleInfo | None:
     copy: JournalRecord | None
     if isinstance(entry, JournalRecord):
-        copy, outcome, cancels = entry, None, []
+        copy, outcome, cancelled = entry, None, None
     else:
-        copy, outcome, cancels = entry.copy, entry.outcome, entry.cancels
+        copy, outcome = entry.copy, entry.outcome
+        # The first cancel that took this copy (a second cancel does not move it: a
+        # trial's get() showed a cancel a minute after the due time for one made in time).
+        cancelled = entry.cancelled_us(copy) if copy is not None else None
     if copy is None:  # a cancel alone does not make an id known
         return None
     assert copy.due_us is not None
     assert copy.exchange is not None
     assert copy.routing_key is not None
-    # The first cancel that took this copy (a second cancel does not move it: a trial's
-    # get() showed a cancel a minute after the due time for one made in time).
-    cancelled = min((at for at in cancels if at >= copy.created_us), default=None)
     delivered = parked = reason = None
     if outcome is not None and outcome.op == DELIVERED:
         state, delivered = DELIVERED, outcome.at_us

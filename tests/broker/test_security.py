@@ -346,6 +346,8 @@ class Victims:
 
     ids: dict[str, str]
     due_us: int
+    #: Alice's ``get()`` of some victims after the attacks, before their due time.
+    looked_up: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 async def attack(
@@ -441,6 +443,10 @@ async def run_attacks(
         victims.ids["own reschedule"] = moved.schedule_id
         async with hopsched.Scheduler(mallory_settings) as mallory:
             await attack(relay_settings, mallory, amqp, victims, bound)
+            for route in ("api cancel", "own cancel"):  # what Alice's look-ups show
+                info = await alice.get(victims.ids[route])
+                assert info is not None, route
+                victims.looked_up[route] = info.state
             assert now_us() < victims.due_us - 2 * S, "the attacks took too long to test anything"
             # and while the relay holds the victims (their last 4 s)
             await asyncio.sleep((victims.due_us - now_us()) / S - 2.5)
@@ -486,6 +492,10 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
                    "stream forged mac", "api cancel while held", "stream cancel while held",
                    "own cancel", "own reschedule"}  # fmt: skip
         untouched = set(v) - changed
+    # look-ups agree with the relays: Mallory's cancel shows only where it applies
+    assert victims.looked_up["own cancel"] == "cancelled"
+    shown = {"pending", "held"} if signing else {"cancelled"}
+    assert victims.looked_up["api cancel"] in shown, victims.looked_up
     await target.wait_for_ids({v[route] for route in untouched}, within=30)
     await asyncio.sleep(max(0.0, (victims.due_us - now_us()) / S) + 3.0)  # the moved one: +2 s
     delivered = target.counts()

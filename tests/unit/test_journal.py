@@ -33,6 +33,8 @@ from hopsched.journal.records import (
     JournalRecord,
     ScheduleInfo,
     cancel_copy_record,
+    cancel_owner,
+    cancel_reaches,
     decode_journal,
     delivered_record,
     encode_journal,
@@ -251,6 +253,48 @@ def test_a_cancel_takes_the_copies_created_at_or_before_it_only() -> None:
 
     assert before.info("x", NOW, HOLD_US).state == CANCELLED  # type: ignore[union-attr]
     assert after.info("x", NOW, HOLD_US).state == PENDING  # type: ignore[union-attr]
+
+
+def test_a_cancel_shows_only_on_the_copies_its_signer_reaches() -> None:
+    """As the relays apply it: a cancel signed with other keys than the copy's, or an
+    unsigned one of a signed copy, leaves it pending in look-ups too (it is delivered)."""
+
+    def state(copy_owner: str | None, canceller_keys: list[str] | None) -> str:
+        owner = None if canceller_keys is None else cancel_owner(canceller_keys)
+        journal = fold(
+            scheduled("x", NOW, NOW + HOUR, owner=copy_owner),
+            JournalRecord(CANCELLED, "x", NOW + 1, NOW + 1, owner=owner),
+            only="x",
+        )
+        info = journal.info("x", NOW, HOLD_US)
+        assert info is not None
+        assert journal.pending_copies() == (info.state == PENDING)
+        assert (list(journal.pending()) == ["x"]) == (info.state == PENDING)
+        return info.state
+
+    assert state("k1", ["k1"]) == CANCELLED
+    assert state("k1", ["k0", "k1"]) == CANCELLED  # signed with every key it holds
+    assert state("k1", ["k2"]) == PENDING
+    assert state("k1", []) == PENDING  # unsigned: unsigned copies only
+    assert state(None, []) == CANCELLED
+    assert state(None, ["k1"]) == PENDING
+    assert state("k1", None) == CANCELLED  # journaled before cancels said whose: as then
+
+
+key_ids = st.lists(st.sampled_from(["a", "b", "c", "2026-12"]), unique=True, max_size=3)
+
+
+@given(copy_owner=st.none() | st.sampled_from(["a", "b", "c", "2026-12"]), keys=key_ids)
+def test_a_cancel_reaches_what_its_keys_signed_and_survives_the_codec(
+    copy_owner: str | None, keys: list[str]
+) -> None:
+    owner = cancel_owner(keys)
+    (decoded,) = decode_journal(
+        encode_journal([JournalRecord(CANCELLED, "x", NOW, NOW, owner=owner)])
+    )
+    assert decoded.owner == owner
+    expected = copy_owner in keys if keys else copy_owner is None
+    assert cancel_reaches(decoded.owner, copy_owner) == expected
 
 
 def test_a_parked_message_replayed_and_delivered_is_delivered() -> None:
