@@ -11,10 +11,11 @@ receipt time + ``x-delay`` through the ladder, and when it is due publishes it t
 
 The plugin's rules for ``x-delay`` (rabbitmq-delayed-message-exchange,
 ``rabbit_delayed_message_utils:get_delay/1``): an integer, or a string or float
-converted to one; absent, zero or negative means no delay. On delivery the header reads
-``-delay`` (``swap_delay_header/1``), so a message routed on to another delayed exchange
-is not delayed again. Unlike the plugin, a delay over 2^32 - 1 ms is kept, not sent at
-once (its issues #225, #227), and a value that is no number is parked, not sent at once.
+converted to one; absent, zero or negative means no delay. On delivery the header of a
+delayed message reads ``-delay`` (``swap_delay_header/1``), so a message routed on to
+another delayed exchange is not delayed again; an undelayed one keeps its header.
+Unlike the plugin, a delay over 2^32 - 1 ms is kept, not sent at once (its issues #225,
+#227), and a value that is no number is parked, not sent at once.
 """
 
 from __future__ import annotations
@@ -243,7 +244,9 @@ def ingest(
         created_us=start_us,
     )
     callers = callers_headers(headers)
-    if DELAY_HEADER in callers:  # as the plugin delivers it: not delayed again downstream
+    # As the plugin delivers a delayed message: x-delay -delay, not delayed again
+    # downstream; one it did not delay (0 or negative) it routes with x-delay untouched.
+    if delay > 0 and DELAY_HEADER in callers:
         callers = callers.update({DELAY_HEADER: -delay})
     scheduled = first_hop_properties(
         properties, envelope, headers=callers, hop_expires_us=None, producer=""

@@ -71,6 +71,19 @@ def test_an_x_delay_that_is_no_number_is_refused_naming_it(value: Any, named: st
     assert named in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("value", "delivered"),
+    [(2500, -2500), ("2500", -2500), (2.9, -2), (0, 0), (-5000, -5000), ("-7", "-7")],
+)
+def test_x_delay_reads_as_the_plugin_delivers_it(value: Any, delivered: Any) -> None:
+    """A delayed message's x-delay is swapped to -delay (an integer); one the plugin does
+    not delay (zero or negative) it routes with its header untouched."""
+    ingested = _ingest({DELAY_HEADER: value})
+    assert isinstance(ingested, Ingested)
+    assert ingested.properties.headers is not None
+    assert ingested.properties.headers[DELAY_HEADER] == delivered
+
+
 def _ingest(headers: dict[str, Any] | None = None, **properties: Any) -> Ingested | NotIngested:
     return ingest(
         prefix="p",
