@@ -11,7 +11,6 @@ schedule id is the task id: ``cancel(app, task_id)`` cancels it durably. docs/ce
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from datetime import datetime
 from functools import cached_property
@@ -29,12 +28,10 @@ from kombu.entity import DELIVERY_MODES, Exchange
 from hopsched.client.scheduler import Cancelled
 from hopsched.core.clock import now_us, us_to_datetime
 from hopsched.errors import HopschedError, InvalidScheduleError, InvalidSettingsError
-from hopsched.integrations.sync import SyncScheduler
+from hopsched.integrations.sync import SyncScheduler, fall_back_or_raise
 from hopsched.settings import Settings
 
 __all__ = ["HopschedAMQP", "cancel", "install", "schedule_signature", "scheduler"]
-
-log = logging.getLogger("hopsched.integrations.celery")
 
 #: Celery's native delayed delivery (quorum queues, 5.5+) sends a delayed task to this
 #: exchange (``PREFIX_`` first, with a prefix); its delivery exchange forwards it to the
@@ -227,14 +224,9 @@ class _Diverted:
         try:
             self._schedule(body, **options)
         except HopschedError as error:
-            if not self._fallback or isinstance(error, ValueError):  # ValueError: the caller's
-                raise
-            log.warning(
-                "hopsched did not take task %s (%s): sent with its eta, held by a worker "
-                "until due, as Celery delays without hopsched (a timed-out one may also be "
-                "delivered by hopsched: at least once)",
-                self._headers.get("id"),
-                error,
+            task = f"task {self._headers.get('id')}"
+            fall_back_or_raise(
+                error, enabled=self._fallback, what=task, instead="sent with its eta"
             )
             self._producer.publish(body, **options)
 

@@ -11,7 +11,6 @@ cancels it durably. docs/dramatiq.md.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import aio_pika
@@ -22,12 +21,10 @@ from dramatiq.common import current_millis, dq_name
 from hopsched.client.scheduler import Cancelled
 from hopsched.core.clock import us_to_datetime
 from hopsched.errors import HopschedError
-from hopsched.integrations.sync import SyncScheduler
+from hopsched.integrations.sync import SyncScheduler, fall_back_or_raise
 from hopsched.settings import Settings
 
 __all__ = ["HopschedBroker"]
-
-log = logging.getLogger("hopsched.integrations.dramatiq")
 
 
 class HopschedBroker(RabbitmqBroker):
@@ -95,17 +92,13 @@ class HopschedBroker(RabbitmqBroker):
                 schedule_id=message.message_id,
             )
         except HopschedError as error:
-            if not self.fallback or isinstance(error, ValueError):  # ValueError: the caller's
-                raise
-            # Middleware sees before_enqueue again, as on RabbitmqBroker's own retries.
-            log.warning(
-                "hopsched did not take message %s (%s): it goes on %s, held by a worker "
-                "until due, as Dramatiq delays without hopsched (a timed-out one may also "
-                "be delivered by hopsched: at least once)",
-                message.message_id,
+            fall_back_or_raise(
                 error,
-                dq_name(queue_name),
+                enabled=self.fallback,
+                what=f"message {message.message_id}",
+                instead=f"it goes on {dq_name(queue_name)}",
             )
+            # Middleware sees before_enqueue again, as on RabbitmqBroker's own retries.
             return super().enqueue(message, delay=delay)
         self.emit_after("enqueue", delayed, delay)
         return delayed

@@ -4,6 +4,7 @@ producers, workers), on a background event-loop thread."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import weakref
@@ -15,11 +16,39 @@ import aio_pika
 
 from hopsched.client.scheduler import Cancelled, Scheduler
 from hopsched.client.sending import Scheduled
-from hopsched.errors import InvalidSettingsError
+from hopsched.errors import HopschedError, InvalidSettingsError
 from hopsched.journal.records import ScheduleInfo
 from hopsched.settings import Settings
 
-__all__ = ["SyncScheduler"]
+__all__ = ["SyncScheduler", "fall_back_or_raise"]
+
+log = logging.getLogger("hopsched.integrations")
+
+
+def fall_back_or_raise(error: HopschedError, *, enabled: bool, what: str, instead: str) -> None:
+    """A framework integration's delay that hopsched did not take: return (after a
+    WARNING) if the framework's own delay should take it, else raise ``error``.
+
+    Args:
+        error: what hopsched raised.
+        enabled: the integration's ``fallback`` setting.
+        what: the message, for the log (``task ID``).
+        instead: where it goes instead, for the log.
+
+    Raises:
+        error: ``enabled`` is False, or the error is the caller's (a ``ValueError``:
+            ``InvalidScheduleError``, ...), which falling back would only hide.
+    """
+    if not enabled or isinstance(error, ValueError):
+        raise error
+    log.warning(
+        "hopsched did not take %s (%s): %s, held by a worker until due, as without "
+        "hopsched (a timed-out one may also be delivered by hopsched: at least once)",
+        what,
+        error,
+        instead,
+    )
+
 
 T = TypeVar("T")
 
