@@ -346,7 +346,8 @@ class Victims:
 
     ids: dict[str, str]
     due_us: int
-    #: Alice's ``get()`` of some victims after the attacks, before their due time.
+    #: Alice's ``get()`` of some victims after the attacks (before their due time, on
+    #: a machine that is not overloaded).
     looked_up: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -443,10 +444,6 @@ async def run_attacks(
         victims.ids["own reschedule"] = moved.schedule_id
         async with hopsched.Scheduler(mallory_settings) as mallory:
             await attack(relay_settings, mallory, amqp, victims, bound)
-            for route in ("api cancel", "own cancel"):  # what Alice's look-ups show
-                info = await alice.get(victims.ids[route])
-                assert info is not None, route
-                victims.looked_up[route] = info.state
             assert now_us() < victims.due_us - 2 * S, "the attacks took too long to test anything"
             # and while the relay holds the victims (their last 4 s)
             await asyncio.sleep((victims.due_us - now_us()) / S - 2.5)
@@ -454,6 +451,10 @@ async def run_attacks(
             await mallory.cancel(ids["api cancel while held"])
             record = Record(CANCEL, ids["stream cancel while held"], now_us())
             await publish(amqp, topology.cancel_stream, encode_records([record]))
+        for route in ("api cancel", "own cancel"):  # what Alice's look-ups show
+            info = await alice.get(victims.ids[route])
+            assert info is not None, route
+            victims.looked_up[route] = info.state
     return relay, target, parked, victims, relay_settings
 
 
@@ -494,8 +495,10 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
         untouched = set(v) - changed
     # look-ups agree with the relays: Mallory's cancel shows only where it applies
     assert victims.looked_up["own cancel"] == "cancelled"
-    shown = {"pending", "held"} if signing else {"cancelled"}
-    assert victims.looked_up["api cancel"] in shown, victims.looked_up
+    if signing:  # ignored by the relays: not shown as cancelled (delivered once due)
+        assert victims.looked_up["api cancel"] != "cancelled", victims.looked_up
+    else:
+        assert victims.looked_up["api cancel"] == "cancelled", victims.looked_up
     await target.wait_for_ids({v[route] for route in untouched}, within=30)
     await asyncio.sleep(max(0.0, (victims.due_us - now_us()) / S) + 3.0)  # the moved one: +2 s
     delivered = target.counts()
