@@ -26,7 +26,12 @@ from support import Collector, hopsched_cli
 from support.private_nodes import khepri, require_rabbitmq
 
 import hopsched
-from hopsched.testing.localbroker import PrivateBroker, PrivateCluster, private_cluster
+from hopsched.testing.localbroker import (
+    LocalBrokerError,
+    PrivateBroker,
+    PrivateCluster,
+    private_cluster,
+)
 from hopsched.topology import declare_topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -85,6 +90,26 @@ async def dead_letter_resend_s(cluster: PrivateCluster) -> float:
     )
     found = re.search(r"\{ok,\s*(\d+)\}", out)
     return int(found[1]) / 1000 if found else 180.0
+
+
+async def explain_missing(
+    cluster: PrivateCluster, settings: hopsched.Settings, target: Collector, wanted: set[str]
+) -> None:
+    """Print where the ids not yet delivered may be: every queue of the prefix with its
+    counts (``messages_dlx``: dead-letters a step's at-least-once worker still holds) and
+    what the relays parked. For a failure's report; asserts nothing."""
+    missing = sorted(wanted - set(target.counts()))
+    print(f"\nmissing {len(missing)}: {missing[:10]}")
+    columns = ["name", "messages", "messages_ready", "messages_unacknowledged", "consumers"]
+    node = next(node for node in cluster.nodes if node.is_running)
+    for extra in (["messages_dlx", "leader"], ["leader"]):
+        try:
+            print(await node.rabbitmqctl("list_queues", "-q", *columns, *extra))
+            break
+        except LocalBrokerError as error:  # an older broker lacks the column
+            print(f"list_queues {extra}: {error}")
+    code, out, err = await hopsched_cli("parked", "list", settings=settings)
+    print(f"parked list (exit {code}):\n{out}{err}")
 
 
 def cluster_settings(cluster: PrivateCluster, **overrides: object) -> hopsched.Settings:
@@ -228,7 +253,11 @@ async def test_cluster_relay_queue_leader_killed_loses_nothing(cluster: PrivateC
     # Due by max_delay_s; a dead-letter in flight to the killed leader comes again after
     # the broker's resend timeout: later than that it is lost.
     resend_s = await dead_letter_resend_s(cluster)
-    await target.wait_for_ids(ids, within=max_delay_s + resend_s + FAILOVER_WITHIN_S)
+    try:
+        await target.wait_for_ids(ids, within=max_delay_s + resend_s + FAILOVER_WITHIN_S)
+    except BaseException:
+        await explain_missing(cluster, settings, target, ids)
+        raise
     last_s = time.monotonic() - killed_at
     received = await target.settle(2.0)
     counts = target.counts()
@@ -301,9 +330,7 @@ async def test_cluster_rolling_restart_loses_nothing(cluster: PrivateCluster) ->
     try:
         await target.wait_for_ids(scheduled, within=max_delay_s + resend_s + FAILOVER_WITHIN_S)
     except BaseException:
-        print(await cluster.nodes[0].rabbitmqctl(
-            "list_queues", "name", "messages", "messages_ready", "consumers", "leader"
-        ))  # fmt: skip
+        await explain_missing(cluster, settings, target, scheduled)
         raise
     await target.settle(2.0)
     counts = target.counts()
