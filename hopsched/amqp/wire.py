@@ -436,6 +436,8 @@ _NAMES = (
     "app_id",
     "cluster_id",
 )
+#: The basic properties in their wire order (AMQP 0-9-1 section 4.2.6.1), by pamqp's names.
+PROPERTY_NAMES: tuple[str, ...] = _NAMES
 # s: short string, t: table, o: octet, T: timestamp (64-bit seconds)
 _KINDS = "sstoossssTssss"
 _FLAGS = tuple(1 << (15 - index) for index in range(len(_NAMES)))

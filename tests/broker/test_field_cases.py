@@ -42,6 +42,7 @@ from support import (
 )
 
 import hopsched
+from hopsched.amqp.wire import PROPERTY_NAMES
 from hopsched.core.clock import datetime_to_us, now_us
 
 AMQP = aio_pika.abc.AbstractConnection
@@ -448,21 +449,7 @@ def typed(value: Any) -> Any:
 def delivered_properties(received: Received) -> dict[str, Any]:
     """Body and every basic property as received, hopsched's added headers left out."""
     headers = {k: v for k, v in received.headers.items() if k not in ADDED_ON_DELIVERY}
-    names = (
-        "content_type",
-        "content_encoding",
-        "delivery_mode",
-        "priority",
-        "correlation_id",
-        "reply_to",
-        "expiration",
-        "message_id",
-        "timestamp",
-        "message_type",
-        "user_id",
-        "app_id",
-        "cluster_id",
-    )
+    names = [name for name in PROPERTY_NAMES if name != "headers"]
     return {
         "body": received.body,
         "headers": typed(headers),
