@@ -226,7 +226,10 @@ class _Diverted:
         except HopschedError as error:
             task = f"task {self._headers.get('id')}"
             fall_back_or_raise(
-                error, enabled=self._fallback, what=task, instead="sent with its eta"
+                error,
+                enabled=self._fallback,
+                what=task,
+                instead="sent with its eta, held by a worker until due",
             )
             self._producer.publish(body, **options)
 

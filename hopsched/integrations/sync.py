@@ -42,8 +42,8 @@ def fall_back_or_raise(error: HopschedError, *, enabled: bool, what: str, instea
     if not enabled or isinstance(error, ValueError):
         raise error
     log.warning(
-        "hopsched did not take %s (%s): %s, held by a worker until due, as without "
-        "hopsched (a timed-out one may also be delivered by hopsched: at least once)",
+        "hopsched did not take %s (%s): %s, as without hopsched (a timed-out one may "
+        "also be delivered by hopsched: at least once)",
         what,
         error,
         instead,

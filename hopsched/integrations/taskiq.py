@@ -7,7 +7,9 @@ expires only at its head) or the delayed-message plugin (which RabbitMQ 4.3 cann
 run): hopsched publishes each to the broker's exchange with the task's routing key when
 it is due, as ``AioPikaBroker.kick`` would have published it then. The schedule id is
 the task id: ``broker.cancel(task_id)`` or ``hopsched cancel TASK_ID`` cancels it durably.
-Tasks without a delay are sent as before. docs/taskiq.md.
+Tasks without a delay are sent as before. With ``fallback`` and a ``delay_queue`` (or the
+plugin) configured, a delayed task hopsched cannot take goes that way instead, with a
+WARNING. docs/taskiq.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from taskiq_aio_pika import AioPikaBroker
 from taskiq_aio_pika.exceptions import IncorrectRoutingKeyError
 
 from hopsched.client.scheduler import Cancelled, Scheduler
+from hopsched.errors import HopschedError, InvalidSettingsError
+from hopsched.integrations.sync import fall_back_or_raise
 from hopsched.settings import Settings
 
 __all__ = ["HopschedBroker"]
@@ -32,9 +36,17 @@ class HopschedBroker(AioPikaBroker):
         hopsched_settings: hopsched's broker, prefix and ladder; a relay must serve the
             prefix.
         declare: declare the prefix's topology if it does not exist.
+        fallback: when hopsched cannot take a delayed task (its broker unreachable, the
+            prefix not declared, a publish unconfirmed), send it through
+            ``AioPikaBroker``'s own delay, with a WARNING, rather than raise. Needs that
+            delay configured: ``delay_queue=`` (or ``delayed_message_exchange_plugin``);
+            taskiq-aio-pika has none by default. False: raise.
         kwargs: ``AioPikaBroker``'s own (``url``, ``exchange``, ``task_queues``, ``qos``,
-            ...). Its ``delay_queue`` and ``delayed_message_exchange_plugin`` are not
-            used for delays: hopsched is.
+            ...). Its ``delay_queue`` and ``delayed_message_exchange_plugin`` are used
+            for delays only by ``fallback``: otherwise hopsched is.
+
+    Raises:
+        InvalidSettingsError: ``fallback`` without a delay of ``AioPikaBroker``'s own.
 
     Attributes:
         hopsched: the ``Scheduler`` delayed tasks are scheduled on (entered by
@@ -42,21 +54,42 @@ class HopschedBroker(AioPikaBroker):
     """
 
     def __init__(
-        self, *, hopsched_settings: Settings, declare: bool = False, **kwargs: Any
+        self,
+        *,
+        hopsched_settings: Settings,
+        declare: bool = False,
+        fallback: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if fallback and not (self._delay_queue or self._delayed_message_exchange_plugin):
+            raise InvalidSettingsError(
+                "fallback=True needs a delay of taskiq-aio-pika's own to fall back to: "
+                "pass delay_queue=Queue(name=...) (or delayed_message_exchange_plugin=True), "
+                "or fallback=False"
+            )
         self.hopsched = Scheduler(hopsched_settings, declare=declare)
+        self.fallback = fallback
 
     async def startup(self) -> None:
         """Start taskiq's side, then connect to hopsched's prefix.
 
         Raises:
-            As ``AioPikaBroker.startup``; hopsched's ``BrokerUnavailableError``,
-            ``PrefixNotDeclaredError`` (no relay ever served the prefix, and not
-            ``declare``).
+            As ``AioPikaBroker.startup``; without ``fallback``, hopsched's
+            ``BrokerUnavailableError``, ``PrefixNotDeclaredError`` (no relay ever served
+            the prefix, and not ``declare``). With it, a WARNING: each delayed task
+            tries hopsched again, and falls back while it cannot.
         """
         await super().startup()
-        await self.hopsched.__aenter__()
+        try:
+            await self.hopsched.__aenter__()
+        except HopschedError as error:
+            fall_back_or_raise(
+                error,
+                enabled=self.fallback,
+                what="this broker's delayed tasks for now",
+                instead="they go through taskiq-aio-pika's own delay until it does",
+            )
 
     async def shutdown(self) -> None:
         await self.hopsched.close()
@@ -66,9 +99,10 @@ class HopschedBroker(AioPikaBroker):
         """Send ``message``; with a ``delay`` label (seconds), schedule it on hopsched.
 
         Raises:
-            As ``AioPikaBroker.kick``; with a delay, as ``Scheduler.schedule``
-            (``InvalidScheduleError`` for a delay that is not a number, hopsched's
-            ``BrokerUnavailableError``, ``PublishTimeoutError``, ...).
+            As ``AioPikaBroker.kick``; with a delay, hopsched's errors of the caller's
+            making (``InvalidScheduleError`` for a delay that is not a number, ...), and,
+            without ``fallback``, as ``Scheduler.schedule`` (``BrokerUnavailableError``,
+            ``PublishTimeoutError``, ``PrefixNotDeclaredError``, ...).
         """
         delay = message.labels.get("delay")
         if delay is None:
@@ -82,13 +116,22 @@ class HopschedBroker(AioPikaBroker):
             priority=None if priority is None else int(priority),
             message_id=message.task_id,
         )
-        await self.hopsched.schedule(
-            task,
-            delay=float(delay),
-            exchange=self._exchange.name,
-            routing_key=self._routing_key(message),
-            schedule_id=message.task_id,
-        )
+        try:
+            await self.hopsched.schedule(
+                task,
+                delay=float(delay),
+                exchange=self._exchange.name,
+                routing_key=self._routing_key(message),
+                schedule_id=message.task_id,
+            )
+        except HopschedError as error:
+            fall_back_or_raise(
+                error,
+                enabled=self.fallback,
+                what=f"task {message.task_id}",
+                instead="it goes through taskiq-aio-pika's own delay",
+            )
+            await super().kick(message)
 
     async def cancel(self, task_id: str) -> Cancelled:
         """Cancel the delayed task ``task_id`` durably (``Scheduler.cancel``)."""

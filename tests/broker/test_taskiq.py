@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -52,8 +53,9 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def running(
-    broker_url: str, settings: hopsched.Settings, cleanup: Cleanup
+    broker_url: str, settings: hopsched.Settings, cleanup: Cleanup, **options: Any
 ) -> AsyncIterator[Setup]:
+    """A producer and a worker on the test's queues; ``options`` go to both brokers."""
     exchange, queue, dead = unique("taskiq"), unique("taskiq"), unique("taskiq-dead")
     cleanup.exchanges.add(exchange)
     cleanup.queues.update({queue, dead})
@@ -66,6 +68,7 @@ async def running(
             exchange=Exchange(name=exchange),
             task_queues=[Queue(name=queue)],
             dead_letter_queue=Queue(name=dead),
+            **options,
         )
 
     producer, worker = make(), make()
@@ -149,3 +152,46 @@ async def test_the_schedule_id_is_the_task_id(setup: Setup) -> None:
     assert info is not None
     assert info.state in ("pending", "held"), info
     await setup.producer.cancel(task_id)
+
+
+async def test_a_delay_hopsched_cannot_take_goes_through_taskiq_s_own_delay_queue(
+    broker_url: str, settings: hopsched.Settings, cleanup: Cleanup, caplog: Any
+) -> None:
+    """A prefix never declared (a worker's misconfiguration), with ``fallback`` and a
+    ``delay_queue``: the delayed task goes through taskiq-aio-pika's delay queue, as
+    without hopsched, with a WARNING, and runs once, not early. Without ``fallback`` the
+    startup raises; ``fallback`` with no delay of taskiq's own to fall back to is refused."""
+    undeclared = dataclasses.replace(settings, prefix=unique())
+    delay_queue = unique("taskiq-delay")
+    cleanup.queues.add(delay_queue)
+    async with running(
+        broker_url, undeclared, cleanup, fallback=True, delay_queue=Queue(name=delay_queue)
+    ) as made:
+        task_id, not_before = await kick(made, "fallback", delay=1.5)
+        await made.wait_for(1)
+        await asyncio.sleep(1.0)  # a duplicate would come now
+        assert made.counts() == Counter({task_id: 1})
+        ((_, argument, at),) = made.runs
+        assert argument == "fallback"
+        assert at >= not_before, "never early"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(task_id in line and "hopsched did not take" in line for line in warnings), warnings
+
+    exchange, queue = unique("taskiq"), unique("taskiq")
+    cleanup.exchanges.add(exchange)
+    cleanup.queues.update({queue, f"{queue}.dead_letter"})
+    strict = HopschedBroker(
+        hopsched_settings=undeclared,
+        url=broker_url,
+        fallback=False,
+        exchange=Exchange(name=exchange),
+        task_queues=[Queue(name=queue)],
+        dead_letter_queue=Queue(name=f"{queue}.dead_letter"),
+    )
+    try:
+        with pytest.raises(hopsched.PrefixNotDeclaredError):
+            await strict.startup()
+    finally:
+        await strict.shutdown()
+    with pytest.raises(hopsched.InvalidSettingsError, match="delay_queue"):
+        HopschedBroker(hopsched_settings=undeclared, url=broker_url, fallback=True)
