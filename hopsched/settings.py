@@ -192,6 +192,11 @@ class Settings:
         require_signatures: a relay parks unsigned envelopes and ignores unsigned records
             (False by default, so that a deployment can add keys to every process first);
             needs ``signing_keys``.
+        trusted_users: RabbitMQ users whose unsigned cancels and reschedules reach every
+            unsigned schedule (operators; relays of the prefix that log in as other
+            users). Anyone else's reach the schedules of its own user only, and those
+            whose user is unknown (docs/security.md, "Owner-only without keys"). Set the
+            same on every relay and every process that looks schedules up.
         management_url: base URL(s) of RabbitMQ's management HTTP API, comma-separated
             (``http://rabbit:15672/``), which tells the relay, ``status`` and the
             Scheduler the policies in force (``hopsched.broker.policy_watch``); empty (the
@@ -230,6 +235,7 @@ class Settings:
     metrics_address: str = "127.0.0.1"
     signing_keys: tuple[SigningKey | str, ...] = ()
     require_signatures: bool = False
+    trusted_users: tuple[str, ...] = ()
     management_url: str = ""
     max_message_size: int = MAX_MESSAGE_SIZE
     step_ratio: int = 2
@@ -308,6 +314,11 @@ class Settings:
             self, "require_signatures", _flag("require_signatures", self.require_signatures)
         )
         self.signatures  # noqa: B018 - a requirement without keys
+        if isinstance(self.trusted_users, str):
+            raise InvalidSettingsError(
+                f"trusted_users {self.trusted_users!r}: give a tuple of RabbitMQ user names"
+            )
+        object.__setattr__(self, "trusted_users", tuple(self.trusted_users))
 
     def __repr__(self) -> str:
         values = ", ".join(
@@ -349,6 +360,15 @@ class Settings:
         return unquote(urlsplit(self.urls[0]).username or "guest")
 
     @property
+    def owner(self) -> str | None:
+        """The RabbitMQ user whose schedules and records this process's are: the login,
+        which the broker checks a ``user_id`` against
+        (https://www.rabbitmq.com/docs/validated-user-id); None with ``auth=external``
+        (the user is the client certificate's, which the URL does not name)."""
+        options = dict(parse_qsl(urlsplit(self.urls[0]).query))
+        return self.login if options.get("auth", "plain").upper() == "PLAIN" else None
+
+    @property
     def vhost(self) -> str:
         """The virtual host the URL names, percent-decoded: ``/`` for a
         URL whose path is empty or ``/``, else the path after its first ``/``
@@ -365,7 +385,8 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Settings from ``HOPSCHED_<FIELD>`` variables (e.g. ``HOPSCHED_URL``,
         ``HOPSCHED_PREFIX``, ``HOPSCHED_QUEUE_TYPE``, ``HOPSCHED_PREFETCH``;
-        ``HOPSCHED_ALLOWED_TARGETS`` and ``HOPSCHED_SIGNING_KEYS`` are comma-separated;
+        ``HOPSCHED_ALLOWED_TARGETS``, ``HOPSCHED_SIGNING_KEYS`` and
+        ``HOPSCHED_TRUSTED_USERS`` are comma-separated;
         ``HOPSCHED_REQUIRE_SIGNATURES`` is true or false), then ``overrides`` whose value
         is not None.
 

@@ -201,6 +201,7 @@ def check_request(
     frame_max: int,
     max_body_bytes: int = MAX_BODY_BYTES,
     avoid: Collection[int] = (),
+    owner: str | None = None,
 ) -> Checked:
     """Check one ``schedule()`` call and plan its first hop.
 
@@ -215,6 +216,7 @@ def check_request(
         max_body_bytes: the largest body to send (``Settings.max_message_size``: the
             broker's ``max_message_size``, 16 MiB by default on RabbitMQ 4.x).
         avoid: steps (ms) to route around (``Ladder.plan``): their queues nacked lately.
+        owner: the user the schedule is owned by (``Settings.owner``; None: unknown).
 
     Raises:
         InvalidScheduleError: anything AMQP, RabbitMQ or hopsched cannot carry, naming it.
@@ -274,6 +276,7 @@ def check_request(
         delivery_mode=None if callers.delivery_mode == PERSISTENT else callers.delivery_mode or 0,
         rule=None if rule is None else rule.encode(),
         occurrence=0 if rule is None else 1,
+        user=owner,
     )
     return Checked(body, callers, headers, envelope, *_first_publish(plan, now_us, topology))
 

@@ -169,6 +169,7 @@ class Scheduler:
         self._connector = Connector(self.settings, name="hopsched-scheduler", start=first_url)
         self._publisher: Publisher | None = None
         self._login = self.settings.login  # parsed from the URL once, not per call
+        self._owner = self.settings.owner
         self._journal_writer: JournalWriter | None = None
         self._journal_connecting = asyncio.Lock()
         self._connecting: asyncio.Future[Publisher] | None = None
@@ -509,6 +510,7 @@ class Scheduler:
                     origin=origin,
                     copy=Copy(prepared.properties, prepared.body),
                     occurrence=envelope.occurrence,
+                    user=envelope.user,
                 )
             )
         journaled = asyncio.ensure_future(self._write_journal(records))
@@ -575,7 +577,10 @@ class Scheduler:
             connector = Connector(self.settings, name="hopsched-journal", start=start)
             connection = await connector.connect()
             self._journal_writer = JournalWriter(
-                Publisher(connection), self.topology.journal_stream, self._journal_written
+                Publisher(connection),
+                self.topology.journal_stream,
+                self._journal_written,
+                user_id=self._owner,  # whose cancels they are, for look-ups
             )
             return self._journal_writer
 
@@ -794,11 +799,21 @@ class Scheduler:
         The journal's records are not signed: with signing keys, the copy's own
         envelope signature must verify with one of them (a forged record gets nothing
         re-signed), and an unsigned copy is not this Scheduler's (its signed cancel would
-        not reach the old message: a duplicate).
+        not reach the old message: a duplicate). Without keys, a copy another user
+        scheduled is not this Scheduler's either, unless its user is trusted: its cancel
+        would not reach the old message (docs/security.md, "Owner-only without keys").
         """
         envelope = copy_envelope(copy.properties)
         if not self._signatures.enabled:
-            return None
+            user, mine = envelope.user, self._owner
+            if user is None or user == mine or mine in self.settings.trusted_users:
+                return None
+            return (
+                f"the journal's copy was scheduled by RabbitMQ user {user!r}, and a cancel "
+                f"by {mine!r} reaches only its own schedules: reschedule it as {user!r}, or "
+                f"list {mine!r} in trusted_users (HOPSCHED_TRUSTED_USERS) on the relays "
+                "and here"
+            )
         checked = self._signatures.check_envelope(envelope, copy.body)
         if isinstance(checked, Refusal):
             return f"the journal's copy does not verify ({checked.reason})"
@@ -883,7 +898,11 @@ class Scheduler:
         """
         stream = self.topology.cancel_stream
         await self._stream_ready(stream)
-        properties = amqp.Properties(content_type="application/x-ndjson", delivery_mode=2)
+        # user_id: the broker checks it is the login; the relays apply an unsigned record
+        # to this user's schedules only (docs/security.md, "Owner-only without keys").
+        properties = amqp.Properties(
+            content_type="application/x-ndjson", delivery_mode=2, user_id=self._owner
+        )
         records = self._signatures.sign_records(records)
         bodies = [
             encode_records(records[start : start + _RECORDS_PER_MESSAGE])
@@ -962,6 +981,7 @@ class Scheduler:
             login=self._login,
             frame_max=publisher.connection.frame_max if publisher is not None else 131_072,
             max_body_bytes=self.settings.max_message_size,
+            owner=self._owner,
         )
         checked.envelope = self._signatures.sign_envelope(checked.envelope, checked.body)
         return checked

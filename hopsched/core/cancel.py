@@ -11,10 +11,20 @@ by the clocks of the two producers: a message scheduled again with the same id a
 cancel is a new schedule and is delivered. A reschedule moves those messages to a new
 due time.
 
-A record changes only the schedules of its signer: with signing keys
-(``hopsched.core.signing``) a relay keys each record by the key id that verified it and a
-message by the key id that verified its envelope, and an unsigned record reaches unsigned
-messages only. Without keys every record and message counts as unsigned.
+A record changes only the schedules of its writer (``reaches``), its *scope*:
+
+* signed (``hopsched.core.signing``): the messages whose envelope the same key signed;
+* unsigned, written by RabbitMQ user U (the stream message's ``user_id``, which the
+  broker checks against the login: https://www.rabbitmq.com/docs/validated-user-id):
+  the unsigned messages U scheduled (``x-hopsched-owner``), and those whose owner is
+  unknown (hand-made envelopes, the ingress, older versions);
+* unsigned, by a trusted user (``Settings.trusted_users``): every unsigned message;
+  with ``own`` (a relay's copy of another's record: a restore, a lineage claim), as if
+  user ``own`` had written it (``""``: unknown; ``OWN_EVERY``: a trusted user);
+* unsigned, without ``user_id``: the unsigned messages whose owner is unknown.
+
+A relay keys each record by its scope and looks a message up under every scope that
+reaches it.
 
 Records are kept until their schedule can no longer come by. Until a relay has met
 the message, that is ``retention_us`` after the record, which is at least the top step:
@@ -29,16 +39,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
     "CANCEL",
+    "EVERY",
     "GRACE_US",
     "HANDED_BACK",
     "LINEAGE",
     "MARKER",
     "NOTICES",
+    "OWN_EVERY",
     "PARKED",
     "RESCHEDULE",
     "RESTORED",
@@ -48,6 +60,9 @@ __all__ = [
     "decode_records",
     "encode_records",
     "lineage_generation",
+    "reaches",
+    "record_scope",
+    "user_scope",
 ]
 
 CANCEL, RESCHEDULE = "cancel", "reschedule"
@@ -91,6 +106,9 @@ class Record:
         key_id, mac: its signature (``hopsched.core.signing``): the signing key's id and the
             HMAC, 64 hex digits; None if unsigned.
         reason: a ``"handed_back"`` notice's reason; None otherwise.
+        own: the user a trusted writer wrote it for (``""``: unknown); None otherwise.
+        user: the RabbitMQ user that wrote it: its stream message's ``user_id``, set by
+            the reader (never from the body); None if the message had none.
     """
 
     op: str
@@ -101,6 +119,8 @@ class Record:
     key_id: str | None = None
     mac: str | None = None
     reason: str | None = None
+    own: str | None = None
+    user: str | None = None
 
 
 @dataclass
@@ -143,7 +163,8 @@ class RecordTally:
 
 def encode_records(records: Iterable[Record]) -> bytes:
     """Records as a stream message's body: one JSON object per line, with keys ``op``,
-    ``id``, ``at``, ``due`` and, when set, ``kind``, ``kid``, ``mac`` and ``why``."""
+    ``id``, ``at``, ``due`` and, when set, ``kind``, ``kid``, ``mac``, ``why`` and
+    ``own`` (``user`` travels as the message's ``user_id``)."""
     lines = []
     for r in records:
         fields: dict[str, object] = {
@@ -160,14 +181,16 @@ def encode_records(records: Iterable[Record]) -> bytes:
             fields["mac"] = r.mac
         if r.reason is not None:
             fields["why"] = r.reason
+        if r.own is not None:
+            fields["own"] = r.own
         lines.append(json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode())
     return b"".join(line + b"\n" for line in lines)
 
 
-def decode_records(body: bytes) -> Iterator[Record]:
-    """The records of a stream message's body; a line that is not one is skipped (a
-    newer hopsched's record, or noise: a relay must never stop on its stream). Fields
-    this version does not know are ignored."""
+def decode_records(body: bytes, user: str | None = None) -> Iterator[Record]:
+    """The records of a stream message's body, written by ``user`` (its ``user_id``);
+    a line that is not one is skipped (a newer hopsched's record, or noise: a relay must
+    never stop on its stream). Fields this version does not know are ignored."""
     for line in body.splitlines():
         try:
             fields = json.loads(line)
@@ -180,6 +203,8 @@ def decode_records(body: bytes) -> Iterator[Record]:
                 fields.get("kid"),
                 fields.get("mac"),
                 fields.get("why"),
+                fields.get("own"),
+                user,
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -191,7 +216,7 @@ def decode_records(body: bytes) -> Iterator[Record]:
             and (record.op != RESCHEDULE or record.due_us is not None)
             and all(
                 v is None or isinstance(v, str)
-                for v in (record.kind, record.key_id, record.mac, record.reason)
+                for v in (record.kind, record.key_id, record.mac, record.reason, record.own)
             )
         ):
             yield record
@@ -210,12 +235,63 @@ def _rank(lineage: str, claim: tuple[int, int]) -> tuple[int, int, str]:
     return claim[0], lineage_generation(lineage), lineage
 
 
-def _key(schedule_id: str, owner: str | None) -> bytes:
-    """A record's or message's key: its signer's key id (none: unsigned) and its id. An
-    unsigned key starts with NUL, a key id never holds one: no two keys coincide."""
-    if owner is None:
+#: The scope of a trusted user's record: every unsigned message.
+EVERY = "\x02"
+_USER = "\x01"
+#: ``Record.own`` of a trusted user's record copied by a relay (no PLAIN login holds a
+#: NUL: it names no user).
+OWN_EVERY = "\x00every"
+
+
+def user_scope(user: str) -> str:
+    """The scope of an unsigned record by RabbitMQ user ``user``. It starts with a byte
+    no key id holds (``[A-Za-z0-9._-]``), and PLAIN logins hold no NUL: no two coincide."""
+    return _USER + user
+
+
+def record_scope(
+    record: Record, trusted: Collection[str], relays: Collection[str] = ()
+) -> str | None:
+    """Whose messages a verified record reaches (the module's doc): a key id, a
+    ``user_scope``, ``EVERY``, or None (those whose owner is unknown).
+
+    Args:
+        record: as ``Signatures.check_record`` returned it (``key_id`` verified).
+        trusted: users whose records reach every unsigned message
+            (``Settings.trusted_users``); their ``own`` is honoured.
+        relays: users whose ``own`` is honoured too (a relay's own login: its restores
+            and lineage claims), whose other records reach their own messages.
+    """
+    if record.key_id is not None:
+        return record.key_id
+    user = record.user
+    if user is None:
+        return None
+    if record.own is not None and (user in trusted or user in relays):
+        if record.own == OWN_EVERY:
+            return EVERY
+        return user_scope(record.own) if record.own else None
+    return EVERY if user in trusted else user_scope(user)
+
+
+def reaches(scope: str | None, owner: str | None, user: str | None) -> bool:
+    """Whether a record of ``scope`` (``record_scope``) reaches a message whose envelope
+    key ``owner`` signed (None: unsigned), scheduled by ``user`` (None: unknown)."""
+    if owner is not None:
+        return scope == owner
+    if scope == EVERY:
+        return True
+    if user is None:
+        return scope is None or scope.startswith(_USER)
+    return scope == _USER + user
+
+
+def _key(schedule_id: str, scope: str | None) -> bytes:
+    """A record's or message's key: its scope (none: unowned) and its id. An unowned
+    key starts with NUL, a scope never holds one: no two keys coincide."""
+    if scope is None:
         return b"\0" + schedule_id.encode()
-    return owner.encode() + b"\0" + schedule_id.encode()
+    return scope.encode() + b"\0" + schedule_id.encode()
 
 
 class Cancellations:
@@ -223,6 +299,7 @@ class Cancellations:
 
     Args:
         retention_us: how long a record whose schedule's due time is unknown is kept.
+        trusted, relays: as ``record_scope``.
 
     Memory: a cancel no relay has met the message of (the common case) is one entry
     keyed by the id's UTF-8 bytes (after its signer's key id and a NUL) with its instant
@@ -230,8 +307,19 @@ class Cancellations:
     the others keep a tuple.
     """
 
-    def __init__(self, retention_us: int) -> None:
+    def __init__(
+        self,
+        retention_us: int,
+        *,
+        trusted: Collection[str] = frozenset(),
+        relays: Collection[str] = frozenset(),
+    ) -> None:
         self.retention_us = retention_us
+        self.trusted = frozenset(trusted)
+        self.relays = frozenset(relays)
+        # the scopes records were applied under: a message is looked up under these only
+        self._scopes: set[str | None] = set()
+        self._user_scopes: set[str] = set()
         self._cancelled: dict[bytes, int] = {}  # id -> when; no message met yet
         # id -> (op, when, the record's due time, kept until)
         self._timed: dict[bytes, tuple[str, int, int | None, int]] = {}
@@ -247,21 +335,38 @@ class Cancellations:
             return CANCEL, at, None, at + self.retention_us
         return self._timed.get(key)
 
+    def _scopes_of(self, owner: str | None, user: str | None) -> list[str | None]:
+        """The scopes whose records reach a message (``reaches``), of those applied."""
+        if owner is not None:
+            wanted: list[str | None] = [owner]
+        elif user is not None:
+            wanted = [_USER + user, EVERY]
+        else:
+            wanted = [None, EVERY, *self._user_scopes]
+        return [scope for scope in wanted if scope in self._scopes]
+
+    def _scope(self, record: Record) -> str | None:
+        scope = record_scope(record, self.trusted, self.relays)
+        self._scopes.add(scope)
+        if scope is not None and scope.startswith(_USER):
+            self._user_scopes.add(scope)
+        return scope
+
     def apply(self, record: Record) -> None:
-        """Add a verified record (``Signatures.check_record``): it applies to the
-        messages of its id signed with its ``key_id`` (None: the unsigned ones). Of two
-        for one id and signer, the later one (by ``at_us``) stands. A marker or a
+        """Add a verified record (``Signatures.check_record``, ``user`` set by the
+        reader): it applies to the messages of its id in its scope (``record_scope``).
+        Of two for one id and scope, the later one (by ``at_us``) stands. A marker or a
         notice is none of its business. Lineage claims are all kept (``superseded``)."""
         if record.op == LINEAGE:
             if record.due_us is not None and record.kind:
-                key = _key(record.schedule_id, record.key_id)
+                key = _key(record.schedule_id, self._scope(record))
                 claims = self._lineages.setdefault(key, {})
                 claim = (record.due_us, record.at_us)  # (one lineage claimed twice: the later)
                 claims[record.kind] = max(claims.get(record.kind, claim), claim)
             return
         if record.op != CANCEL and record.op != RESCHEDULE:
             return
-        key = _key(record.schedule_id, record.key_id)
+        key = _key(record.schedule_id, self._scope(record))
         known = self._known(key)
         if known is not None and record.at_us < known[1]:
             return
@@ -277,22 +382,36 @@ class Cancellations:
             self._timed[key] = (RESCHEDULE, record.at_us, record.due_us, until)
 
     def verdict(
-        self, schedule_id: str, created_us: int, due_us: int, owner: str | None
+        self,
+        schedule_id: str,
+        created_us: int,
+        due_us: int,
+        owner: str | None,
+        user: str | None = None,
     ) -> str | int | None:
         """What applies to a message created at ``created_us`` and due at ``due_us``,
-        whose envelope the key ``owner`` signed (None: unsigned): ``CANCEL``, a new due
-        time (µs), or None.
+        whose envelope the key ``owner`` signed (None: unsigned), scheduled by ``user``
+        (None: unknown): ``CANCEL``, a new due time (µs), or None. Of the records in
+        scopes that reach it, the latest stands.
 
         The record learns the message's due time here, so that it is forgotten once
         that (and a reschedule's own due time) has passed.
         """
         if not self._cancelled and not self._timed:
             return None
-        key = _key(schedule_id, owner)
-        known = self._known(key)
-        if known is None or known[1] < created_us:
+        best: tuple[bytes, tuple[str, int, int | None, int]] | None = None
+        for scope in self._scopes_of(owner, user):
+            key = _key(schedule_id, scope)
+            known = self._known(key)
+            if (
+                known is not None
+                and known[1] >= created_us
+                and (best is None or known[1] > best[1][1])
+            ):
+                best = key, known
+        if best is None:
             return None
-        op, at, record_due, _ = known
+        key, (op, at, record_due, _) = best
         until = max(due_us, record_due or 0) + GRACE_US
         self._cancelled.pop(key, None)
         self._timed[key] = (op, at, record_due, until)
@@ -301,7 +420,12 @@ class Cancellations:
         return record_due if record_due != due_us else None
 
     def superseded(
-        self, schedule_id: str, owner: str | None, due_us: int, lineage: str | None
+        self,
+        schedule_id: str,
+        owner: str | None,
+        due_us: int,
+        lineage: str | None,
+        user: str | None = None,
     ) -> bool:
         """Whether a recurring occurrence due at ``due_us`` of lineage ``lineage`` (None:
         the first) is a copy another lineage replaced.
@@ -314,7 +438,10 @@ class Cancellations:
         yet is kept: at worst a duplicate, never a chain lost."""
         if not self._lineages:
             return False
-        claims = self._lineages.get(_key(schedule_id, owner))
+        claims: dict[str, tuple[int, int]] = {}
+        for scope in self._scopes_of(owner, user):
+            for token, claim in self._lineages.get(_key(schedule_id, scope), {}).items():
+                claims[token] = max(claims.get(token, claim), claim)
         if not claims:
             return False
         winner = max(claims, key=lambda token: _rank(token, claims[token]))

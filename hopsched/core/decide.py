@@ -288,7 +288,11 @@ class Decider:
             if verdict == CANCEL:
                 return Cancel(envelope)
             if envelope.rule is not None and cancellations.superseded(
-                envelope.schedule_id, envelope.owner, envelope.due_us, envelope.lineage
+                envelope.schedule_id,
+                envelope.owner,
+                envelope.due_us,
+                envelope.lineage,
+                envelope.user,
             ):
                 return Cancel(envelope, superseded=True)
             if isinstance(verdict, int):
@@ -345,7 +349,11 @@ class Decider:
         A recurring occurrence keeps the created time of its schedule, so a cancel ends
         the chain; a reschedule does not apply to one (None)."""
         verdict = cancellations.verdict(
-            envelope.schedule_id, envelope.created_us, envelope.due_us, envelope.owner
+            envelope.schedule_id,
+            envelope.created_us,
+            envelope.due_us,
+            envelope.owner,
+            envelope.user,
         )
         if isinstance(verdict, int) and envelope.rule is not None:
             return None
@@ -360,7 +368,7 @@ class Decider:
         rule does not decode."""
         assert envelope.rule is not None
         if cancellations.superseded(
-            envelope.schedule_id, envelope.owner, envelope.due_us, envelope.lineage
+            envelope.schedule_id, envelope.owner, envelope.due_us, envelope.lineage, envelope.user
         ):
             return Cancel(envelope, superseded=True)
         try:
@@ -419,12 +427,23 @@ class Decider:
         if isinstance(checked, Refusal):
             return None
         if cancellations.superseded(
-            checked.schedule_id, checked.owner, checked.due_us, checked.lineage
+            checked.schedule_id, checked.owner, checked.due_us, checked.lineage, checked.user
         ):
             return Cancel(checked, superseded=True)
         lineage = f"{lineage_generation(checked.lineage) + 1}.{nonce}"
         claimed = self.signatures.resigned(dataclasses.replace(checked, lineage=lineage), body)
-        record = Record(LINEAGE, checked.schedule_id, now_us, checked.due_us, kind=lineage)
+        # Unsigned, written for the schedule's user (this relay's login is trusted to):
+        # the claim reaches the schedule's scope, not the relay's own messages.
+        own = None if checked.owner is not None else checked.user or ""
+        record = Record(
+            LINEAGE,
+            checked.schedule_id,
+            now_us,
+            checked.due_us,
+            kind=lineage,
+            own=own,
+            user=self.login,
+        )
         return self.signatures.sign_as(record, checked.owner), claimed
 
     def _forged(self, envelope: Envelope, body: bytes) -> Park | None:

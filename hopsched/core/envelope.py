@@ -43,6 +43,7 @@ __all__ = [
     "HEADER_KEY",
     "HEADER_LINEAGE",
     "HEADER_OCCURRENCE",
+    "HEADER_OWNER",
     "HEADER_PARKED_AT",
     "HEADER_PARKED_KIND",
     "HEADER_PARKED_REASON",
@@ -134,6 +135,11 @@ FEATURES = frozenset({FEATURE_RECURRING})
 #: ``KEY-ID:HEX-MAC``: the envelope's HMAC-SHA256 and the id of the key that made it
 #: (``hopsched.core.signing``); absent when the producer holds no signing key.
 HEADER_SIGNATURE = "x-hopsched-signature"
+#: The RabbitMQ user that scheduled it (``Scheduler``: its login, when the broker checks
+#: it: PLAIN authentication); absent if unknown (hand-made envelopes, the ingress, older
+#: versions). A record without a signature changes only that user's schedules
+#: (``hopsched.core.cancel``). Never delivered.
+HEADER_OWNER = "x-hopsched-owner"
 #: On a parked ingress message that could not be scheduled (``hopsched.core.ingress``): the
 #: exchange it was published to; a replay publishes it there again.
 HEADER_INGRESS = "x-hopsched-ingress"
@@ -176,6 +182,7 @@ _ROUTING_HEADERS = frozenset(
         HEADER_RULE,
         HEADER_LINEAGE,
         HEADER_FEATURES,
+        HEADER_OWNER,
     }
 )
 _PARKED_HEADERS = frozenset(
@@ -210,6 +217,7 @@ class Envelope:
         lineage: a recurring chain's lineage (``HEADER_LINEAGE``); None for the first.
         features: feature names its ``x-hopsched-features`` lists beyond those its own
             fields imply (``required_features``), e.g. one a newer scheduler wrote.
+        user: the RabbitMQ user that scheduled it (``HEADER_OWNER``), None if unknown.
     """
 
     schedule_id: str
@@ -227,6 +235,7 @@ class Envelope:
     occurrence: int = 0
     lineage: str | None = None
     features: frozenset[str] = frozenset()
+    user: str | None = None
 
     @property
     def required_features(self) -> frozenset[str]:
@@ -274,6 +283,8 @@ class Envelope:
             headers[HEADER_LINEAGE] = self.lineage
         if features := self.required_features:
             headers[HEADER_FEATURES] = ",".join(sorted(features))
+        if self.user is not None:
+            headers[HEADER_OWNER] = self.user
         return headers
 
     @classmethod
@@ -311,6 +322,7 @@ class Envelope:
             rule=field(HEADER_RULE, str, required=False),
             occurrence=field(HEADER_OCCURRENCE, int, required=False) or 0,
             lineage=field(HEADER_LINEAGE, str, required=False),
+            user=field(HEADER_OWNER, str, required=False),
         )
         if named := _feature_names(field(HEADER_FEATURES, str, required=False)):
             envelope = replace(envelope, features=named - envelope.required_features)

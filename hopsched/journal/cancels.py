@@ -24,11 +24,12 @@ up to that notice; so cancels confirmed before the deletion hold again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from hopsched import amqp
@@ -39,6 +40,7 @@ from hopsched.core.cancel import (
     HANDED_BACK,
     MARKER,
     NOTICES,
+    OWN_EVERY,
     PARKED,
     RESTORED,
     Cancellations,
@@ -76,7 +78,7 @@ log = logging.getLogger("hopsched.relay")
 #: Stream messages read ahead of their acks (a stream consumer needs a prefetch); each
 #: holds up to 1,000 records.
 _PREFETCH = 2000
-_PERSISTENT = amqp.Properties(delivery_mode=2).encode()
+_PERSISTENT = amqp.Properties(delivery_mode=2)
 
 #: ``RecordTally.refused`` key: a stream message a relay delivered there (a target bound
 #: to the stream), whose records are ignored.
@@ -100,6 +102,8 @@ class CancelReader:
         tally: where the records read are counted, by signature.
         journal: a relay's settings, whose journal it restores a stream declared anew
             from (``needs_restore``); None (``hopsched status``): it only tells.
+        user_id: the login set on the records it writes (``Settings.owner``): the
+            relays apply its restores and lineage claims with the scope they name.
     """
 
     def __init__(
@@ -111,8 +115,10 @@ class CancelReader:
         tally: RecordTally,
         *,
         journal: Settings | None = None,
+        user_id: str | None = None,
     ) -> None:
         self.stream = stream
+        self.properties = _PERSISTENT.replace(user_id=user_id).encode()
         self.cancellations = cancellations
         self.clock = clock
         self.signatures = signatures
@@ -189,7 +195,9 @@ class CancelReader:
             if headers is not None and HEADER_ID in headers:
                 self.tally.refused[RELAYED] += 1  # a relay delivered it here: no record
                 return
-            for record in decode_records(delivery.body):
+            # who wrote it, as the broker checked (https://www.rabbitmq.com/docs/validated-user-id)
+            user = delivery.properties.user_id if delivery.properties is not None else None
+            for record in decode_records(delivery.body, user):
                 if record.op == MARKER:
                     if record.schedule_id == marker:
                         caught_up.set()
@@ -261,8 +269,8 @@ class CancelReader:
         started = time.monotonic()
         try:
             bodies = await journal_copies(self.journal)
-            for body in bodies:
-                await self._append(publisher, body)
+            for body, user in bodies:
+                await self._append(publisher, owned(body, user, self.journal.trusted_users))
             notice = Record(RESTORED, uuid.uuid4().hex, self.clock(), kind=str(len(bodies)))
             await self._append(publisher, encode_records([self.signatures.sign_notice(notice)]))
         except (HopschedError, ConnectionError) as error:
@@ -293,7 +301,7 @@ class CancelReader:
     async def _append(self, publisher: Publisher, body: bytes) -> None:
         """Append one stream message, confirmed."""
         outcome, detail = await publisher.answer(
-            LADDER_LANE, "", self.stream, body, _PERSISTENT, CATCH_UP_TIMEOUT_S
+            LADDER_LANE, "", self.stream, body, self.properties, CATCH_UP_TIMEOUT_S
         )
         if outcome is amqp.Outcome.ACK:
             return
@@ -345,7 +353,7 @@ class CancelReader:
         """Append this reading's marker record and wait for the broker's confirm."""
         record = encode_records([Record(MARKER, marker, self.clock())])
         outcome, detail = await publisher.answer(
-            LADDER_LANE, "", self.stream, record, _PERSISTENT, CATCH_UP_TIMEOUT_S
+            LADDER_LANE, "", self.stream, record, self.properties, CATCH_UP_TIMEOUT_S
         )
         if outcome is amqp.Outcome.ACK:
             return
@@ -406,7 +414,7 @@ class CancelReader:
         """Append a relay's lineage claim (signed), confirmed: ``outcome`` gets the
         confirm. Raises BrokerConnectionLost (nothing sent)."""
         publisher.publish(
-            LADDER_LANE, "", self.stream, encode_records([record]), _PERSISTENT, outcome
+            LADDER_LANE, "", self.stream, encode_records([record]), self.properties, outcome
         )
 
     def note_parked(
@@ -427,7 +435,7 @@ class CancelReader:
 
         try:
             body = encode_records([record])
-            publisher.publish(LADDER_LANE, "", self.stream, body, _PERSISTENT, written)
+            publisher.publish(LADDER_LANE, "", self.stream, body, self.properties, written)
         except BrokerConnectionLost:
             pass
 
@@ -442,17 +450,29 @@ async def handed_back_reasons(settings: Settings) -> dict[str, str]:
     return reasons
 
 
-async def journal_copies(settings: Settings) -> list[bytes]:
+async def journal_copies(settings: Settings) -> list[tuple[bytes, str | None]]:
     """The journal's copies of the cancel stream's messages (``CANCEL_COPY`` records),
-    as written, oldest first. Raises as ``read_journal``."""
-    bodies: list[bytes] = []
+    as written, oldest first, each with the user that wrote it (its journal message's
+    ``user_id``: the broker checked it; None: unset). Raises as ``read_journal``."""
+    bodies: list[tuple[bytes, str | None]] = []
 
     def copied(record: JournalRecord) -> None:
         if record.op == CANCEL_COPY and record.copy is not None:
-            bodies.append(record.copy.body)
+            bodies.append((record.copy.body, record.user))
 
     await read_journal(settings, only=CANCEL_COPY_ID, on_record=copied)
     return bodies
+
+
+def owned(body: bytes, user: str | None, trusted: Collection[str]) -> bytes:
+    """A cancel stream message written by ``user``, as a relay writes it back: each
+    unsigned record names the scope it had (``Record.own``: ``user``, ``""`` for none,
+    ``OWN_EVERY`` for a trusted user), whatever the body said; signed ones as they are."""
+    own = "" if user is None else OWN_EVERY if user in trusted else user
+    return encode_records(
+        record if record.key_id is not None else dataclasses.replace(record, own=own)
+        for record in decode_records(body)
+    )
 
 
 async def tally_records(settings: Settings) -> RecordTally:

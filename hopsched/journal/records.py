@@ -47,11 +47,12 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from hopsched.core.cancel import EVERY, reaches, user_scope
 from hopsched.core.clock import us_to_datetime
 from hopsched.core.envelope import Envelope
 from hopsched.core.id_table import IdTable
@@ -68,6 +69,7 @@ __all__ = [
     "PENDING",
     "SCHEDULED",
     "STATES",
+    "WRITER_OWNED",
     "Copy",
     "JournalFold",
     "JournalRecord",
@@ -75,6 +77,7 @@ __all__ = [
     "cancel_copy_record",
     "cancel_owner",
     "cancel_reaches",
+    "cancel_scope",
     "decode_journal",
     "delivered_record",
     "encode_journal",
@@ -97,6 +100,9 @@ CANCEL_COPY_ID = ""
 _OPS = frozenset({SCHEDULED, DELIVERED, PARKED, CANCELLED, MARKER, CANCEL_COPY})
 _OP_NAMES = {op: op for op in _OPS}
 _NOT_FOLDED = frozenset({MARKER, CANCEL_COPY})
+#: Records whose ``user`` is their stream message's writer (``user_id``, which the broker
+#: checked), set by the reader; the others' is the copy's owner (field ``usr``).
+WRITER_OWNED = frozenset({CANCELLED, CANCEL_COPY})
 #: The records about one copy of a message: they say its due time and target.
 _COPY_OPS = frozenset({SCHEDULED, DELIVERED, PARKED})
 #: ``ScheduleInfo.state`` values. ``held``: pending, and due within the hold window (a
@@ -157,6 +163,9 @@ class JournalRecord:
         occurrence: a recurring schedule's occurrence (1, 2, ...) the record is about;
             0 for a one-shot message. Its occurrences share one created time, so a copy
             is its created time and its occurrence.
+        user: the RabbitMQ user the copy is owned by (its ``x-hopsched-owner``; None:
+            unknown). For a cancel (``WRITER_OWNED``), the user that wrote it: its stream
+            message's ``user_id``, set by the reader (``read_journal``).
     """
 
     op: str
@@ -172,6 +181,7 @@ class JournalRecord:
     origin: str | None = None
     copy: Copy | None = field(default=None, repr=False)
     occurrence: int = 0
+    user: str | None = None
 
 
 def encode_journal(records: Iterable[JournalRecord]) -> bytes:
@@ -194,6 +204,7 @@ def encode_journal(records: Iterable[JournalRecord]) -> bytes:
             (',"kid":', r.owner),
             (',"why":', r.reason),
             (',"by":', r.origin),
+            (',"usr":', None if r.op in WRITER_OWNED else r.user),
         ):
             if text is not None:
                 meta += (key, _string(text))
@@ -321,13 +332,13 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
     due, size, occurrence = get("due"), get("size"), get("occ")
     if any(v is not None and type(v) is not int for v in (due, size, occurrence)):
         return None
-    texts = get("ex"), get("rk"), get("kid"), get("why"), get("by")
+    texts = get("ex"), get("rk"), get("kid"), get("why"), get("by"), get("usr")
     for text in texts:
         if text is not None and type(text) is not str:
             return None
     # A listing holds one record per id: the few distinct targets, owners and origins
     # once each (a str per record was a third of a listing's memory).
-    exchange, routing_key, owner, reason, origin = (
+    exchange, routing_key, owner, reason, origin, user = (
         None if text is None else sys.intern(text) for text in texts
     )
     if op in _COPY_OPS and (due is None or exchange is None or routing_key is None):
@@ -346,6 +357,7 @@ def _record(fields: dict[str, Any], copy: Copy | None) -> JournalRecord | None:
         origin,
         copy,
         occurrence or 0,
+        None if op in WRITER_OWNED else user,
     )
 
 
@@ -434,15 +446,29 @@ def cancel_owner(key_ids: Sequence[str]) -> str:
     return ",".join(key_ids)
 
 
-def cancel_reaches(cancel_owner: str | None, copy_owner: str | None) -> bool:
+def cancel_scope(user: str | None, trusted: Collection[str]) -> str | None:
+    """The scope (``hopsched.core.cancel.record_scope``) of an unsigned cancel written by
+    RabbitMQ user ``user`` (None: unknown)."""
+    if user is None:
+        return None
+    return EVERY if user in trusted else user_scope(user)
+
+
+def cancel_reaches(
+    cancel_owner: str | None,
+    copy_owner: str | None,
+    scope: str | None = None,
+    copy_user: str | None = None,
+) -> bool:
     """Whether a cancel written by ``cancel_owner`` (``JournalRecord.owner``) takes a copy
-    signed by ``copy_owner``, as the relays decide (``hopsched.core.cancel``): a record
-    reaches the messages its key signed, an unsigned one unsigned messages only. A
+    signed by ``copy_owner`` and owned by ``copy_user``, as the relays decide
+    (``hopsched.core.cancel``): a record reaches the messages its key signed; an
+    unsigned one (``""``), by its ``scope`` (``cancel_scope``), unsigned messages only. A
     cancel journaled before it said (None) takes every copy, as it was shown then."""
     if cancel_owner is None:
         return True
     if not cancel_owner:
-        return copy_owner is None
+        return reaches(scope, copy_owner, copy_user)
     return copy_owner is not None and copy_owner in cancel_owner.split(",")
 
 
@@ -455,18 +481,22 @@ class _Entry:
     def __init__(self) -> None:
         self.copy: JournalRecord | None = None
         self.outcome: JournalRecord | None = None
-        self.cancels: list[tuple[int, str | None]] = []
+        self.cancels: list[_Cancel] = []
 
     def cancelled_us(self, copy: JournalRecord) -> int | None:
         """When the first cancel that takes ``copy`` was made; None if none does."""
         return min(
             (
                 at
-                for at, owner in self.cancels
-                if at >= copy.created_us and cancel_reaches(owner, copy.owner)
+                for at, owner, scope in self.cancels
+                if at >= copy.created_us and cancel_reaches(owner, copy.owner, scope, copy.user)
             ),
             default=None,
         )
+
+
+#: A cancel as the fold keeps it: its instant, ``owner`` and ``cancel_scope``.
+_Cancel = tuple[int, str | None, str | None]
 
 
 _OUTCOME_RANK = {PARKED: 0, DELIVERED: 1}
@@ -507,7 +537,7 @@ def _copy_rank(
 #: a record with one outside is kept as it is. ``_at`` is ``_UNSET`` in a row not filled yet.
 _UNSET, _INT64_MAX = -(2**63), 2**63 - 1
 #: The columns of a row not filled yet (created, at, due, occurrence, size, strings).
-_UNSET_ROW = (0, _UNSET, 0, 0, 0, 0, 0, 0, 0)
+_UNSET_ROW = (0, _UNSET, 0, 0, 0, 0, 0, 0, 0, 0)
 #: A listing's sort key is ``due << _ROW_BITS | row`` (one int per pending id, no tuple).
 _ROW_BITS = 32
 _ROW_MASK = 2**_ROW_BITS - 1
@@ -518,12 +548,15 @@ class JournalFold:
 
     Args:
         only: fold only this id's records (the others are ignored).
+        trusted: users whose unsigned cancels take every unsigned copy
+            (``Settings.trusted_users``), as the relays are told.
 
     Memory: each id read has a row (``IdTable``). While an id's records are only
     ``scheduled`` records without a copy (a pending id, read by a listing), its newest
     one lives in the fold's columns: one ``array`` per field, its strings by index in one
-    table: 127 bytes with its id (32 characters), measured over 300,000, where a dict of
-    id strings to packed bytes took 218 (``benchmarks/results/journal/pending.md``). Any
+    table: 127 bytes with its id (32 characters), measured over 300,000 (4 of them its
+    user's column), where a dict of id strings to packed bytes took 218
+    (``benchmarks/results/journal/pending.md``). Any
     other id's row has an object: its newest copy's record, or an entry (three
     references) once an outcome or a cancel of it was read. An id is never dropped: a
     record read later (the fold does not depend on the order) must find its state.
@@ -533,29 +566,29 @@ class JournalFold:
     #: (``_due_ranges``): one int per row at once, for a million rows, was 44 MB.
     SORT_PASS = 2**17
 
-    def __init__(self, only: str | None = None) -> None:
+    def __init__(self, only: str | None = None, *, trusted: Collection[str] = ()) -> None:
         self.only = only
+        self.trusted = frozenset(trusted)
         self._ids = IdTable()
         #: A row's newest ``scheduled`` record while it is alone (no copy, numbers that
         #: fit): created, at, due (µs), occurrence, size (-1: None), and the indices of
-        #: its exchange, routing key, owner and origin in ``_strings``.
+        #: its exchange, routing key, owner, origin and user in ``_strings``.
         self._created, self._at, self._due = array("q"), array("q"), array("q")
         self._occurrence, self._size = array("q"), array("q")
         self._exchange, self._routing_key = array("I"), array("I")
-        self._owner, self._origin = array("I"), array("I")
+        self._owner, self._origin, self._user = array("I"), array("I"), array("I")
         self._columns = (
             self._created, self._at, self._due, self._occurrence, self._size,
-            self._exchange, self._routing_key, self._owner, self._origin,
+            self._exchange, self._routing_key, self._owner, self._origin, self._user,
         )  # fmt: skip
         self._strings: list[str | None] = [None]
         self._string_index: dict[str | None, int] = {None: 0}
         #: The rows whose state is an object (their columns are left as they were).
         self._objects: dict[int, _Entry | JournalRecord] = {}
         #: With ``only``: every copy of it read (its version), whether it had an
-        #: outcome and its owner, and every cancel's instant and owner
-        #: (``pending_copies``).
-        self._copies: dict[tuple[int, int], tuple[bool, str | None]] = {}
-        self._cancels: list[tuple[int, str | None]] = []
+        #: outcome, its owner and user, and every cancel (``pending_copies``).
+        self._copies: dict[tuple[int, int], tuple[bool, str | None, str | None]] = {}
+        self._cancels: list[_Cancel] = []
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -566,13 +599,15 @@ class JournalFold:
             return
         if self.only is not None:
             if record.op == CANCELLED:
-                self._cancels.append((record.at_us, record.owner))
+                self._cancels.append(self._cancel(record))
             else:
                 if record.origin in _CANCELS_OLDER:  # its cancel went to the cancel stream
-                    self._cancels.append((record.created_us - 1, None))
+                    self._cancels.append(self._older_cancelled(record))
                 version = _version(record)
-                finished, owner = self._copies.get(version, (False, record.owner))
-                self._copies[version] = (finished or record.op != SCHEDULED, owner)
+                finished, owner, user = self._copies.get(
+                    version, (False, record.owner, record.user)
+                )
+                self._copies[version] = (finished or record.op != SCHEDULED, owner, user)
         row, new = self._ids.add(record.schedule_id)
         entry = None
         if new:
@@ -592,7 +627,7 @@ class JournalFold:
             entry.copy = plain
             self._objects[row] = entry
         if record.op == CANCELLED:
-            entry.cancels.append((record.at_us, record.owner))
+            entry.cancels.append(self._cancel(record))
             return
         copy = entry.copy
         version = _version(record)
@@ -608,6 +643,17 @@ class JournalFold:
         outcome = entry.outcome
         if outcome is None or _outcome_rank(record) > _outcome_rank(outcome):
             entry.outcome = record
+
+    def _cancel(self, record: JournalRecord) -> _Cancel:
+        return record.at_us, record.owner, cancel_scope(record.user, self.trusted)
+
+    def _older_cancelled(self, record: JournalRecord) -> _Cancel:
+        """The cancel a ``replace`` or ``reschedule`` wrote for the older copies of its id
+        (at its created instant - 1 µs), by the copy's user; signed: every copy, as
+        before cancels said whose they were."""
+        if record.owner is not None:
+            return record.created_us - 1, None, None
+        return record.created_us - 1, "", None if record.user is None else user_scope(record.user)
 
     def info(self, schedule_id: str, now_us: int, hold_window_us: int) -> ScheduleInfo | None:
         """What is known of ``schedule_id`` at ``now_us`` (µs since the epoch), None if no
@@ -716,9 +762,12 @@ class JournalFold:
         parked, nor created at or before a cancel)."""
         return sum(
             1
-            for (created_us, _), (finished, owner) in self._copies.items()
+            for (created_us, _), (finished, owner, user) in self._copies.items()
             if not finished
-            and not any(at >= created_us and cancel_reaches(by, owner) for at, by in self._cancels)
+            and not any(
+                at >= created_us and cancel_reaches(by, owner, scope, user)
+                for at, by, scope in self._cancels
+            )
         )
 
     def due_us(self, schedule_id: str) -> int | None:
@@ -753,7 +802,7 @@ class JournalFold:
             SCHEDULED, self._ids.id_at(row), self._at[row], self._created[row], self._due[row],
             strings[self._exchange[row]], strings[self._routing_key[row]],
             None if size < 0 else size, strings[self._owner[row]], None,
-            strings[self._origin[row]], None, self._occurrence[row],
+            strings[self._origin[row]], None, self._occurrence[row], strings[self._user[row]],
         )  # fmt: skip
 
     def _keep(self, row: int, record: JournalRecord) -> None:
@@ -783,7 +832,7 @@ class JournalFold:
         string = self._string
         return (
             *numbers, string(record.exchange), string(record.routing_key),
-            string(record.owner), string(record.origin),
+            string(record.owner), string(record.origin), string(record.user),
         )  # fmt: skip
 
     def _string(self, text: str | None) -> int:
@@ -931,4 +980,5 @@ def _relay_record(
         origin,
         copy,
         envelope.occurrence,
+        envelope.user,
     )

@@ -37,6 +37,7 @@ from hopsched.errors import (
 )
 from hopsched.journal.records import (
     MARKER,
+    WRITER_OWNED,
     JournalFold,
     JournalRecord,
     decode_journal,
@@ -77,14 +78,22 @@ class JournalWriter:
         publisher: the session's publisher (a Scheduler's: its journal connection's).
         stream: ``{prefix}.journal``.
         on_result: ``on_result(records, ok)`` after each stream write's outcome (counting).
+        user_id: the writer's login (``Settings.owner``), set on each stream message: a
+            reader learns who wrote a cancel from it (the broker checked it). None: unset.
     """
 
     def __init__(
-        self, publisher: Publisher, stream: str, on_result: Callable[[int, bool], None]
+        self,
+        publisher: Publisher,
+        stream: str,
+        on_result: Callable[[int, bool], None],
+        *,
+        user_id: str | None = None,
     ) -> None:
         self.publisher = publisher
         self.stream = stream
         self.on_result = on_result
+        self.properties = _PROPERTIES.replace(user_id=user_id).encode()
         self._batch: list[JournalRecord] = []
         self._warned = False
         self._in_flight = 0  # stream writes not answered yet
@@ -114,7 +123,7 @@ class JournalWriter:
         self._in_flight += 1
         try:
             self.publisher.publish(
-                JOURNAL_LANE, "", self.stream, pack_journal(batch), JOURNAL_PROPERTIES, written
+                JOURNAL_LANE, "", self.stream, pack_journal(batch), self.properties, written
             )
         except (BrokerConnectionLost, ValueError) as error:
             written(amqp.Outcome.CLOSED, error)
@@ -146,7 +155,7 @@ class JournalWriter:
         """Write ``batch`` as one stream message: "" once taken, else why not."""
         try:
             outcome, detail = await self.publisher.answer(
-                JOURNAL_LANE, "", self.stream, pack_journal(batch), JOURNAL_PROPERTIES, timeout_s
+                JOURNAL_LANE, "", self.stream, pack_journal(batch), self.properties, timeout_s
             )
         except TimeoutError:
             outcome, detail = amqp.Outcome.CLOSED, f"no confirm within {timeout_s:g} s"
@@ -208,7 +217,7 @@ async def read_journal(
         AccessRefusedError: may not write the marker or read the stream (403).
     """
     stream = Topology.from_settings(settings).journal_stream
-    fold = JournalFold(only)
+    fold = JournalFold(only, trusted=settings.trusted_users)
     marker = uuid.uuid4().hex
     connection = await Connector(settings, name="hopsched-journal").connect()
     publisher = Publisher(connection)
@@ -225,7 +234,10 @@ async def read_journal(
             acker.received(delivery.delivery_tag)
             acker.done(delivery.delivery_tag)
             last_read[0] = time.monotonic()
+            user = delivery.properties.user_id if delivery.properties is not None else None
             for record in decode_journal(delivery.body, copies=copies, only=only):
+                if record.op in WRITER_OWNED:  # whose cancel: the writer the broker checked
+                    record.user = user
                 fold.apply(record)
                 if on_record is not None:
                     on_record(record)

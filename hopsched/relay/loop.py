@@ -174,7 +174,13 @@ class Relay:
         )
         #: Steps whose queues nacked a hop lately (a leader election): routed around.
         self.avoided = AvoidedSteps()
-        self.cancellations = Cancellations(CANCEL_RETENTION_US)
+        # Its own login's restores and lineage claims keep the scope they name (``own``).
+        owner = settings.owner
+        self.cancellations = Cancellations(
+            CANCEL_RETENTION_US,
+            trusted=settings.trusted_users,
+            relays=() if owner is None else (owner,),
+        )
         self.cancel_reader = CancelReader(
             self.topology.cancel_stream,
             self.cancellations,
@@ -182,6 +188,7 @@ class Relay:
             settings.signatures,
             self.stats.record_tally,
             journal=settings,
+            user_id=settings.owner,
         )
         self._shutdown_timeout_s = shutdown_timeout_s
         self._stop_by = math.inf  # time.monotonic() by which run() returns once stopping
@@ -413,7 +420,10 @@ class _Session:
         self.publisher = Publisher(connection, lane_window=LANE_WINDOW)
         #: delivered, parked and refreshed records, once confirmed (``hopsched.journal.records``)
         self.journal = JournalWriter(
-            self.publisher, self.topology.journal_stream, self.stats.record_journal
+            self.publisher,
+            self.topology.journal_stream,
+            self.stats.record_journal,
+            user_id=self.settings.owner,
         )
         self.refresh_ms = refresh_step_ms(relay.ladder.max_step_ms)
         broker_clock = relay.broker_clock

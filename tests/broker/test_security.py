@@ -5,6 +5,8 @@
 * F30: hopsched's own objects are never a target; no message, by whatever route it
   reaches hopsched's queues or stream, cancels or moves a schedule it does not own when
   signing is on; with signing off the same attacks behave as docs/security.md says.
+* F45: without keys, a record changes only the schedules of the RabbitMQ user that wrote
+  it (and those whose user is unknown); a trusted user's, every one.
 * Key rotation: a relay with keys [new, old] accepts both; without old, old-signed
   envelopes are parked with the reason.
 * ``amqps://`` URLs with aio-pika's TLS options (``cafile``, ``certfile``, ``keyfile``)
@@ -85,6 +87,7 @@ async def publish(
     body: bytes,
     headers: dict[str, Any] | None = None,
     exchange: str = "",
+    user_id: str | None = None,
 ) -> None:
     """A raw publish, confirmed, as any user with write on the exchange can make it."""
     async with connection.channel(publisher_confirms=True) as channel:
@@ -93,7 +96,7 @@ async def publish(
             if exchange == ""
             else await channel.get_exchange(exchange, ensure=False)
         )
-        message = aio_pika.Message(body, headers=headers, delivery_mode=2)
+        message = aio_pika.Message(body, headers=headers, delivery_mode=2, user_id=user_id)
         await target.publish(message, routing_key=routing_key)
 
 
@@ -370,21 +373,30 @@ async def attack(
     body = encode_records([Record(CANCEL, v["api cancel"], now_us())])
     with pytest.raises(hopsched.InvalidScheduleError):
         await mallory.schedule(body, delay=0, routing_key=topology.cancel_stream)
-    # 3. straight into the stream through the default exchange: unsigned, and with a
-    #    made-up MAC claiming Alice's key
-    now = now_us()
+    # 3. straight into the stream through the default exchange, as the user both log in
+    #    as: unsigned, and with a made-up MAC claiming Alice's key; and without a
+    #    user_id, which reaches no schedule of a known user
+    now, login = now_us(), mallory.settings.login
     await publish(
-        amqp, topology.cancel_stream, encode_records([Record(CANCEL, v["stream cancel"], now)])
+        amqp,
+        topology.cancel_stream,
+        encode_records([Record(CANCEL, v["stream cancel"], now)]),
+        user_id=login,
     )
     await publish(
         amqp,
         topology.cancel_stream,
         encode_records([Record(RESCHEDULE, v["stream reschedule"], now, now + later)]),
+        user_id=login,
     )
     await publish(
         amqp,
         topology.cancel_stream,
         encode_records([Record(CANCEL, v["stream forged mac"], now, key_id="alice", mac="0" * 64)]),
+        user_id=login,
+    )
+    await publish(
+        amqp, topology.cancel_stream, encode_records([Record(CANCEL, v["stream no user_id"], now)])
     )
     # 4. into a step queue and 5. into the relay queue: an envelope whose target is the
     #    stream and whose body is a record, unsigned and signed with Mallory's key
@@ -425,8 +437,8 @@ async def run_attacks(
     await targets.bind(topology.cancel_stream, bound)
     routes = [
         "api cancel", "api reschedule", "stream cancel", "stream reschedule",
-        "stream forged mac", "step envelope", "relay envelope", "bound exchange",
-        "api cancel while held", "stream cancel while held",
+        "stream forged mac", "stream no user_id", "step envelope", "relay envelope",
+        "bound exchange", "api cancel while held", "stream cancel while held",
     ]  # fmt: skip
     async with hopsched.Scheduler(alice_settings) as alice:
         due = await alice.schedule(b"control", delay=8, routing_key=target.name)
@@ -450,7 +462,12 @@ async def run_attacks(
             assert relay.stats.held_now() >= 3
             await mallory.cancel(ids["api cancel while held"])
             record = Record(CANCEL, ids["stream cancel while held"], now_us())
-            await publish(amqp, topology.cancel_stream, encode_records([record]))
+            await publish(
+                amqp,
+                topology.cancel_stream,
+                encode_records([record]),
+                user_id=mallory.settings.login,
+            )
         for route in ("api cancel", "own cancel"):  # what Alice's look-ups show
             info = await alice.get(victims.ids[route])
             assert info is not None, route
@@ -468,9 +485,10 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """docs/security.md's table: with signing on, none of Mallory's routes changes
-    Alice's schedules; with signing off, the API and the stream routes do (what the
-    default-exchange grant allows), the others are refused, parked or ignored. The
-    relay logs the records it ignored as a WARNING (docs/security.md, "Watching it")."""
+    Alice's schedules; with signing off and one RabbitMQ user for both, the API and the
+    stream routes do (what the default-exchange grant allows), but a record without a
+    ``user_id`` does not; the others are refused, parked or ignored. The relay logs the
+    records it ignored as a WARNING (docs/security.md, "Watching it")."""
     caplog.set_level(logging.INFO, logger="hopsched.relay")
     relay, target, parked, victims, settings = await run_attacks(
         make_settings, relays, targets, amqp, signing=signing
@@ -479,10 +497,10 @@ async def test_F30_forged_cancels_and_reschedules_by_every_route(
     # the relay read every forged record before the due time
     tally = relay.stats.record_tally
     if signing:
-        await until(lambda: tally.refused["unsigned"] >= 3 and tally.refused["bad_signature"] >= 1
+        await until(lambda: tally.refused["unsigned"] >= 4 and tally.refused["bad_signature"] >= 1
                     and tally.refused["relayed"] >= 1, within=2)  # fmt: skip
     else:
-        await until(lambda: tally.refused["relayed"] >= 1 and tally.unsigned >= 8, within=2)
+        await until(lambda: tally.refused["relayed"] >= 1 and tally.unsigned >= 9, within=2)
     assert now_us() < victims.due_us, "the relay read the records too late to test anything"
 
     if signing:
@@ -710,6 +728,106 @@ async def test_F30_a_producer_holding_only_its_grant_tries_every_attack(
         assert status == 0, err
         assert "ignored: 1 bad_signature, 2 unsigned" in out
         print(f"\nproducer grant: every attack failed; operator's status:\n{out}")
+    finally:
+        await relays.stop_all()
+        await admin.close()
+
+
+@pytest.mark.slow  # a private node and five users with their grants: over 20 s on 2 cores
+async def test_F45_without_keys_a_record_changes_only_its_own_user_s_schedules(
+    private_broker: PrivateBroker,
+) -> None:
+    """No signing keys. Alice and Mallory hold the producer grant each; "ops" and "ops2"
+    the operator's, and only "ops" is in ``trusted_users`` (on the relay and the
+    operators alike). Mallory's records, by every route she has (the API; the stream
+    with her ``user_id``, without one, and naming Alice in ``own``), leave Alice's
+    schedules alone, and reach her own and one whose user is unknown. ops's cancel
+    reaches Alice's; ops2's does not, nor does its reschedule. Look-ups agree."""
+    trusted = ("ops",)
+    relay_settings = dataclasses.replace(
+        await grant(private_broker, "relay", "relay", "orders"), trusted_users=trusted
+    )
+    ops = dataclasses.replace(await grant(private_broker, "operator", "ops"), trusted_users=trusted)
+    ops2 = dataclasses.replace(
+        await grant(private_broker, "operator", "ops2"), trusted_users=trusted
+    )
+    alice_settings = await grant(private_broker, "producer", "alice")
+    mallory_settings = await grant(private_broker, "producer", "mallory")
+    topology = hopsched.Topology.from_settings(ops)
+    admin = await aio_pika.connect(private_broker.url)
+    relays = Relays()
+    try:
+        orders = await declare_target(admin, "orders", "orders.timeout", "timeout")
+        relay = await relays.start(relay_settings)
+        routes = ["api", "stream", "stream no user_id", "stream own", "ops2 cancel", "ops2 move"]
+        async with hopsched.Scheduler(alice_settings) as alice:
+            first = await alice.schedule(b"api", delay=10, exchange="orders", routing_key="timeout")
+            victims = {"api": first}
+            for route in routes[1:]:
+                victims[route] = await alice.schedule(
+                    route.encode(), at=first.due, exchange="orders", routing_key="timeout"
+                )
+            mine = await alice.schedule(
+                b"mine", at=first.due, exchange="orders", routing_key="timeout"
+            )
+            await alice.cancel(mine)
+            by_ops = await alice.schedule(
+                b"ops", at=first.due, exchange="orders", routing_key="timeout"
+            )
+        # an envelope whose user is unknown: hand-made, straight into the relay queue
+        unowned = hopsched.core.envelope.Envelope(
+            "unowned", first.due_us, "orders", "timeout", created_us=now_us()
+        )
+        alice_connection = await aio_pika.connect(alice_settings.urls[0])
+        async with alice_connection:
+            await publish(alice_connection, topology.relay_queue, b"?", unowned.to_headers())
+        mallory_connection = await aio_pika.connect(mallory_settings.urls[0])
+        async with mallory_connection, hopsched.Scheduler(mallory_settings) as mallory:
+            hers = await mallory.schedule(
+                b"hers", at=first.due, exchange="orders", routing_key="timeout"
+            )
+            await mallory.cancel(hers)
+            await mallory.cancel(victims["api"])
+            await mallory.cancel("unowned")
+            now = now_us()
+            for route, user_id, own in (
+                ("stream", "mallory", None),
+                ("stream no user_id", None, None),
+                ("stream own", "mallory", "alice"),
+            ):
+                record = Record(CANCEL, victims[route].schedule_id, now, own=own)
+                await publish(
+                    mallory_connection,
+                    topology.cancel_stream,
+                    encode_records([record]),
+                    user_id=user_id,
+                )
+        async with hopsched.Scheduler(ops) as operator:
+            await operator.cancel(by_ops)
+        async with hopsched.Scheduler(ops2) as other:
+            await other.cancel(victims["ops2 cancel"])
+            assert await other.reschedule(victims["ops2 move"], delay=3600) is None
+            looked_up = {
+                name: (await other.get(scheduled.schedule_id)).state  # type: ignore[union-attr]
+                for name, scheduled in {
+                    "api": victims["api"], "ops2 cancel": victims["ops2 cancel"],
+                    "mine": mine, "by ops": by_ops, "hers": hers,
+                }.items()
+            }  # fmt: skip
+        assert now_us() < first.due_us - 2 * S, "the attacks took too long to test anything"
+        print(f"\nlook-ups before the due time: {looked_up}")
+        assert looked_up["mine"] == looked_up["by ops"] == looked_up["hers"] == "cancelled"
+        assert looked_up["api"] != "cancelled"
+        assert looked_up["ops2 cancel"] != "cancelled"
+
+        expected = {scheduled.schedule_id for scheduled in victims.values()}
+        await orders.wait_for_ids(expected, within=30)
+        await asyncio.sleep(2.0)  # a cancelled one would come with them
+        orders.assert_never_early()
+        assert orders.counts() == {schedule_id: 1 for schedule_id in expected}
+        late = {r.schedule_id: r.lateness_us for r in orders.received}
+        assert late[victims["ops2 move"].schedule_id] < 2 * S, "moved by ops2"
+        assert relay.stats.cancelled >= 4  # mine, by ops, hers, unowned
     finally:
         await relays.stop_all()
         await admin.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -12,7 +13,9 @@ from hypothesis import strategies as st
 
 from hopsched.core.cancel import (
     CANCEL,
+    EVERY,
     GRACE_US,
+    OWN_EVERY,
     PARKED,
     RESCHEDULE,
     Cancellations,
@@ -20,8 +23,12 @@ from hopsched.core.cancel import (
     RecordTally,
     decode_records,
     encode_records,
+    reaches,
+    record_scope,
+    user_scope,
 )
 from hopsched.core.signing import Signatures, SigningKey
+from hopsched.journal.cancels import owned
 from hopsched.testing.localbroker import RESTORE_STREAM_COORDINATOR
 
 S = 1_000_000
@@ -256,3 +263,104 @@ def test_markers_and_notices_change_nothing_and_a_tally_counts_by_signature() ->
     assert cancellations.verdict("x", NOW - S, NOW + S, None) is None
     assert cancellations.verdict("x", NOW - S, NOW + S, "k") is None
     assert (tally.signed, tally.unsigned, dict(tally.parked)) == (1, 1, {"bad_signature": 1})
+
+
+# --- without keys, a record changes only its writer's schedules (issue 30, item 6) ---------
+
+users = st.sampled_from([None, "alice", "mallory", "ops", "relay"])
+owns = st.sampled_from([None, "", "alice", "mallory", OWN_EVERY])
+
+
+def test_F45_an_unsigned_record_reaches_its_own_user_s_schedules_and_unowned_ones() -> None:
+    cancellations = Cancellations(50 * DAY, trusted={"ops"}, relays={"relay"})
+    cancellations.apply(Record(CANCEL, "victim", NOW, user="mallory"))
+    cancellations.apply(Record(CANCEL, "victim", NOW, own="alice", user="mallory"))  # ignored
+    cancellations.apply(Record(CANCEL, "mine", NOW, user="alice"))
+    cancellations.apply(Record(CANCEL, "anyone", NOW))  # no user_id: unowned ones only
+    cancellations.apply(Record(RESCHEDULE, "moved", NOW, NOW + DAY, user="ops"))
+
+    assert cancellations.verdict("victim", NOW - S, NOW + S, None, "alice") is None
+    assert cancellations.verdict("victim", NOW - S, NOW + S, None, "mallory") == CANCEL
+    assert cancellations.verdict("victim", NOW - S, NOW + S, None, None) == CANCEL  # unknown owner
+    assert cancellations.verdict("mine", NOW - S, NOW + S, None, "alice") == CANCEL
+    assert cancellations.verdict("anyone", NOW - S, NOW + S, None, "alice") is None
+    assert cancellations.verdict("anyone", NOW - S, NOW + S, None, None) == CANCEL
+    assert cancellations.verdict("moved", NOW - S, NOW + S, None, "alice") == NOW + DAY  # trusted
+    assert cancellations.verdict("moved", NOW - S, NOW + S, "k", None) is None  # signed: keys
+
+
+def test_F45_a_relay_s_copy_of_a_record_keeps_the_scope_it_names() -> None:
+    """A restore or a lineage claim, written by a relay's login for another user."""
+    cancellations = Cancellations(50 * DAY, trusted={"ops"}, relays={"relay"})
+    cancellations.apply(Record(CANCEL, "a", NOW, own="alice", user="relay"))
+    cancellations.apply(Record(CANCEL, "b", NOW, own="", user="relay"))
+    cancellations.apply(Record(CANCEL, "c", NOW, own=OWN_EVERY, user="relay"))
+    cancellations.apply(Record(CANCEL, "d", NOW, user="relay"))  # its own: the relay's
+
+    assert cancellations.verdict("a", NOW - S, NOW + S, None, "alice") == CANCEL
+    assert cancellations.verdict("a", NOW - S, NOW + S, None, "mallory") is None
+    assert cancellations.verdict("b", NOW - S, NOW + S, None, "alice") is None
+    assert cancellations.verdict("b", NOW - S, NOW + S, None, None) == CANCEL
+    assert cancellations.verdict("c", NOW - S, NOW + S, None, "mallory") == CANCEL
+    assert cancellations.verdict("d", NOW - S, NOW + S, None, "alice") is None
+
+
+@given(
+    applied=st.lists(
+        st.tuples(ids, owners, users, owns, st.integers(0, 10)), min_size=1, max_size=8
+    ),
+    schedule_id=ids,
+    owner=owners,
+    user=users,
+)
+def test_F45_a_verdict_applies_the_latest_record_that_reaches_the_message(
+    applied: list[tuple[str, str | None, str | None, str | None, int]],
+    schedule_id: str,
+    owner: str | None,
+    user: str | None,
+) -> None:
+    """``Cancellations`` (records keyed by scope) agrees with ``reaches``, record by
+    record: the latest cancel or reschedule that reaches the message stands."""
+    trusted, relays = {"ops"}, {"relay"}
+    cancellations = Cancellations(50 * DAY, trusted=trusted, relays=relays)
+    latest: Record | None = None
+    for index, (record_id, signer, writer, own, at) in enumerate(applied):
+        op, due = (CANCEL, None) if index % 2 == 0 else (RESCHEDULE, NOW + DAY + index * S)
+        made = NOW + (at * 100 + index) * S  # no two at one instant: "latest" is one
+        record = Record(op, record_id, made, due, key_id=signer, own=own, user=writer)
+        cancellations.apply(record)
+        scope = record_scope(record, trusted, relays)
+        if (
+            record_id == schedule_id
+            and reaches(scope, owner, user)
+            and (latest is None or record.at_us > latest.at_us)
+        ):
+            latest = record
+
+    verdict = cancellations.verdict(schedule_id, NOW, NOW + DAY, owner, user)
+    if latest is None:
+        assert verdict is None
+    elif latest.op == CANCEL:
+        assert verdict == CANCEL
+    else:
+        assert verdict == latest.due_us
+
+
+@given(writer=users, signed=st.booleans())
+def test_F44_a_restored_record_names_its_writer_s_scope_whatever_its_body_said(
+    writer: str | None, signed: bool
+) -> None:
+    keys = Signatures((SigningKey("k", b"k" * 16),), "p")
+    forged = Record(CANCEL, "x", NOW, own="alice")  # a body may claim any own
+    body = encode_records(keys.sign_records([forged]) if signed else [forged])
+    (restored,) = decode_records(owned(body, writer, {"ops"}), user="relay")
+    scope = record_scope(restored, {"ops"}, {"relay"})
+    if signed:
+        assert scope == "k"
+    else:
+        expected = {None: None, "ops": EVERY}.get(
+            writer, None if writer is None else user_scope(writer)
+        )
+        assert scope == expected
+        as_written = dataclasses.replace(forged, own=None, user=writer)
+        assert scope == record_scope(as_written, {"ops"}, set())

@@ -30,6 +30,7 @@ from hopsched.core.envelope import (
     HEADER_HOP_EXPIRES,
     HEADER_HOPS,
     HEADER_ID,
+    HEADER_OWNER,
     HEADER_PARKED_AT,
     HEADER_PARKED_KIND,
     HEADER_PARKED_REASON,
@@ -77,6 +78,7 @@ envelopes = st.builds(
     expiration=st.none() | st.integers(0, 2**32).map(str),
     delivery_mode=st.none() | st.sampled_from([0, 1]),
     rule=st.none() | st.just('{"v":1,"e":60000000,"s":0}'),
+    user=st.none() | st.text(),
     # names a newer scheduler may write; "recurring" is implied by a rule, never stored
     features=st.frozensets(
         st.from_regex(r"[a-z][a-z0-9_-]{0,15}", fullmatch=True).filter(lambda n: n != "recurring")
@@ -248,6 +250,7 @@ DEAD_LETTERED = {
     HEADER_EXPIRATION: "5000",
     HEADER_DELIVERY_MODE: 1,
     HEADER_FEATURES: "recurring",
+    HEADER_OWNER: "alice",  # whose schedule: never delivered
     "x-death": [{"count": 1, "queue": "hopsched.step.16", "reason": "expired"}],
     "x-first-death-exchange": "",
     "x-first-death-queue": "hopsched.step.16",

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hopsched.core.cancel import CANCEL, Record, reaches, record_scope
 from hopsched.core.envelope import Envelope
 from hopsched.core.ladder import US_PER_MS, Hop, Ladder, refresh_step_ms, retention_bound_us
 from hopsched.journal import records as journal_module
@@ -35,6 +36,7 @@ from hopsched.journal.records import (
     cancel_copy_record,
     cancel_owner,
     cancel_reaches,
+    cancel_scope,
     decode_journal,
     delivered_record,
     encode_journal,
@@ -86,6 +88,7 @@ records = st.builds(
     reason=st.none() | texts,
     origin=st.none() | st.sampled_from(["schedule", "replace", "reschedule", "refresh"]),
     copy=st.none() | st.builds(Copy, st.binary(max_size=64), st.binary(max_size=256)),
+    user=st.none() | texts,
 )
 
 
@@ -279,6 +282,49 @@ def test_a_cancel_shows_only_on_the_copies_its_signer_reaches() -> None:
     assert state(None, []) == CANCELLED
     assert state(None, ["k1"]) == PENDING
     assert state("k1", None) == CANCELLED  # journaled before cancels said whose: as then
+
+
+def test_F45_without_keys_a_cancel_shows_only_on_its_own_user_s_copies() -> None:
+    """As the relays apply it (``hopsched.core.cancel``): the canceller's user (its journal
+    message's ``user_id``) reaches copies of the same user and those of none; a trusted
+    user's, every unsigned copy; one without ``user_id``, those of none only."""
+
+    def state(copy_user: str | None, canceller: str | None, many: bool = False) -> str:
+        cancel = JournalRecord(CANCELLED, "x", NOW + 1, NOW + 1, owner="", user=canceller)
+        copies = [scheduled("x", NOW, NOW + HOUR, user=copy_user)]
+        if many:  # a listing's fold: the copy in the columns, then the cancel
+            journal = fold(*copies, cancel)
+        else:
+            journal = JournalFold("x", trusted={"ops"})
+            for record in (*copies, cancel):
+                journal.apply(record)
+            info = journal.info("x", NOW, HOLD_US)
+            assert info is not None
+            assert journal.pending_copies() == (info.state == PENDING)
+        info = journal.info("x", NOW, HOLD_US)
+        assert info is not None
+        return info.state
+
+    assert state("alice", "alice") == CANCELLED
+    assert state("alice", "mallory") == PENDING
+    assert state(None, "mallory") == CANCELLED
+    assert state("alice", None) == PENDING
+    assert state(None, None) == CANCELLED
+    assert state("alice", "ops") == CANCELLED  # trusted
+    assert state("alice", "mallory", many=True) == PENDING  # the copy's user kept in columns
+    assert state("alice", "alice", many=True) == CANCELLED
+
+
+@given(
+    copy_user=st.none() | st.sampled_from(["alice", "ops"]),
+    cancel_user=st.none() | st.sampled_from(["alice", "ops", "mallory"]),
+)
+def test_F45_a_journaled_cancel_reaches_what_the_relays_apply_it_to(
+    copy_user: str | None, cancel_user: str | None
+) -> None:
+    record = Record(CANCEL, "x", NOW, user=cancel_user)
+    relays = reaches(record_scope(record, {"ops"}), None, copy_user)
+    assert cancel_reaches("", None, cancel_scope(cancel_user, {"ops"}), copy_user) == relays
 
 
 key_ids = st.lists(st.sampled_from(["a", "b", "c", "2026-12"]), unique=True, max_size=3)
