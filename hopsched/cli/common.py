@@ -28,7 +28,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_BAD_INPUT = 2
 #: ``parked replay``: some messages asked for were not replayed (not parked, or left parked).
 EXIT_NOT_REPLAYED = 3
-#: ``get``, ``reschedule``: the journal knows no (pending) schedule of that id.
+#: ``get``, ``reschedule``: the journal knows no (pending) schedule of that id; also
+#: ``cancel``, ``reschedule``: one that is not this login's to change.
 EXIT_UNKNOWN = 3
 #: Nothing of the prefix exists where the command needs it (a mistyped --prefix?):
 #: nothing was done (scheduled, cancelled, upgraded, removed).

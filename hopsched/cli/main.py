@@ -57,7 +57,9 @@ def main(verbose: int, log_format: str) -> None:
          interrupted upgrade; teardown refused (queues in use); the relay's
          metrics port is in use; the demo saw an early or lost message
       2  bad input (usage error, a setting or URL option, a message)
-      3  parked replay: some messages asked for were not replayed
+      3  parked replay: some messages asked for were not replayed; get,
+         reschedule: no pending schedule of that id; cancel, reschedule: a
+         schedule this login may not change stays pending
       4  nothing of the prefix exists where the command needs it (check
          --prefix): nothing was scheduled, cancelled, upgraded or removed;
          status: nothing of the prefix exists

@@ -33,8 +33,9 @@ from hopsched.errors import (
     HopschedError,
     InvalidScheduleError,
 )
-from hopsched.journal.records import CANCELLED, JournalFold, ScheduleInfo
+from hopsched.journal.records import CANCELLED, HELD, PENDING, JournalFold, ScheduleInfo
 from hopsched.journal.stream import read_journal
+from hopsched.settings import Settings
 
 
 @click.command()
@@ -270,7 +271,9 @@ def cancel(
     """Cancel schedules by id: their messages scheduled before now are not delivered (a
     cancel confirmed 50 ms or more before the due time, never). Then says, from the
     journal, which ids had something pending. An id nothing is scheduled for, or already
-    delivered, is not an error."""
+    delivered, is not an error. Exit 3 if a schedule stays pending: another RabbitMQ
+    user's, or another key's, which this login's cancel does not reach
+    (docs/security.md)."""
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> tuple[list[Cancelled], JournalFold | str]:
@@ -284,6 +287,7 @@ def cancel(
     started_us = now_us()
     results, journal = run(go())
     hold_us = settings.ladder.hold_window_ms * 1000
+    not_ours = []
     for result in results:
         info = (
             None
@@ -302,6 +306,16 @@ def cancel(
             )
         elif info.state == CANCELLED:
             click.echo(f"cancelled {result.schedule_id} (was due {info.due.isoformat()})")
+        elif info.state in (PENDING, HELD) and not _ours(info, settings):
+            not_ours.append(result.schedule_id)
+            click.echo(
+                f"cancel recorded {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
+            )
+        elif info.state in (PENDING, HELD):
+            click.echo(
+                f"cancel recorded {result.schedule_id}: the journal does not show it yet (its "
+                "write may have failed; the relays apply the cancel): check with hopsched get"
+            )
         else:
             click.echo(
                 f"cancel recorded {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
@@ -312,6 +326,8 @@ def cancel(
             "scheduled before now will not be delivered, if one is pending",
             err=True,
         )
+    if not_ours:
+        raise Unknown(f"not cancelled, still pending: {', '.join(not_ours)}")
 
 
 @click.command()
@@ -394,12 +410,29 @@ def _warn_of_a_past_start(rule: Rule, first_us: int, now: int) -> None:
     )
 
 
+def _ours(info: ScheduleInfo, settings: Settings) -> bool:
+    """Whether this login's records reach the schedule (``hopsched.core.cancel``)."""
+    if info.owner is not None:  # signed: a record signed with the same key
+        return any(key.key_id == info.owner for key in settings.signatures.keys)
+    if settings.signatures.keys:  # its records are signed: they reach signed ones only
+        return False
+    return (
+        info.user is None or info.user == settings.owner or settings.owner in settings.trusted_users
+    )
+
+
 def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
     """Why the journal has nothing pending for ``schedule_id``."""
     if info is None:
         return (
             f"the journal knows no schedule {schedule_id!r} (never scheduled on this prefix, "
             "or its last record is older than the journal keeps)"
+        )
+    if info.state in (PENDING, HELD):  # after a cancel or reschedule of this login's
+        return (
+            f"schedule {schedule_id!r} stays {info.state}: it is not this login's to change "
+            "(scheduled by another RabbitMQ user, or signed with another key; "
+            "docs/security.md)"
         )
     when = info.delivered_us or info.parked_us or info.cancelled_us
     at = f" at {us_to_datetime(when).isoformat()}" if when is not None else ""

@@ -808,6 +808,12 @@ class Scheduler:
             user, mine = envelope.user, self._owner
             if user is None or user == mine or mine in self.settings.trusted_users:
                 return None
+            if mine is None:  # auth=external: its records carry no user_id
+                return (
+                    f"the journal's copy was scheduled by RabbitMQ user {user!r}, and a "
+                    "cancel without a user_id (auth=external) reaches only schedules of no "
+                    f"known user: reschedule it logged in as {user!r} with a password"
+                )
             return (
                 f"the journal's copy was scheduled by RabbitMQ user {user!r}, and a cancel "
                 f"by {mine!r} reaches only its own schedules: reschedule it as {user!r}, or "

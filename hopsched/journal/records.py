@@ -390,6 +390,9 @@ class ScheduleInfo:
         copy: the message, from which ``reschedule()`` issues it again; None if the
             journal holds no copy (only a relay's record was read, or it was read
             without copies).
+        user: the RabbitMQ user that scheduled it (``x-hopsched-owner``; None:
+            unknown): without keys, only that user's records (or a trusted user's)
+            change it.
     """
 
     schedule_id: str
@@ -408,6 +411,7 @@ class ScheduleInfo:
     copy: Copy | None = field(default=None, repr=False, compare=False)
     occurrence: int = 0
     pending_copies: int | None = None
+    user: str | None = None
 
     @property
     def due(self) -> datetime:
@@ -437,6 +441,7 @@ class ScheduleInfo:
             "cancelled": when(self.cancelled_us),
             "occurrence": self.occurrence or None,
             "pending_copies": self.pending_copies,
+            "user": self.user,
         }
 
 
@@ -908,6 +913,7 @@ def _info(
         reason,
         copy.copy,
         copy.occurrence,
+        user=copy.user,
     )
 
 

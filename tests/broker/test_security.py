@@ -804,8 +804,19 @@ async def test_F45_without_keys_a_record_changes_only_its_own_user_s_schedules(
                 )
         async with hopsched.Scheduler(ops) as operator:
             await operator.cancel(by_ops)
+        # the CLI says a cancel that does not reach the schedule did nothing (exit 3)
+        trust = {"HOPSCHED_TRUSTED_USERS": ",".join(trusted)}
+        ops2_id = victims["ops2 cancel"].schedule_id
+        code, out, err = await hopsched_cli("cancel", ops2_id, settings=ops2, env=trust)
+        assert code == 3, (out, err)
+        assert f"schedule {ops2_id!r} stays" in out
+        assert "not this login's to change" in out
+        code, out, err = await hopsched_cli(
+            "reschedule", victims["ops2 move"].schedule_id, "--in", "1h", settings=ops2, env=trust
+        )
+        assert code == 3, (out, err)
+        assert "scheduled by RabbitMQ user 'alice'" in err, err
         async with hopsched.Scheduler(ops2) as other:
-            await other.cancel(victims["ops2 cancel"])
             assert await other.reschedule(victims["ops2 move"], delay=3600) is None
             looked_up = {
                 name: (await other.get(scheduled.schedule_id)).state  # type: ignore[union-attr]
