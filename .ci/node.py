@@ -46,7 +46,10 @@ async def main(env_file: Path) -> None:
             f"management {node.management_url}, in {node.root}",
             flush=True,
         )
-        await stop.wait()
+        try:
+            await stop.wait()
+        finally:
+            env_file.unlink(missing_ok=True)  # it named a node that is gone
     print(f"node {node.node} stopped and removed", flush=True)
 
 

@@ -323,7 +323,9 @@ def cancel(
     if isinstance(journal, str):
         click.echo(
             f"the journal could not be read ({journal}): a message of each id "
-            "scheduled before now will not be delivered, if one is pending",
+            "scheduled before now will not be delivered, if one is pending and this "
+            "login's to change (scheduled by the same RabbitMQ user, or signed with its "
+            "key: docs/security.md); `hopsched get ID` (with read on the journal) tells",
             err=True,
         )
     if not_ours:
@@ -447,6 +449,10 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
     ]
     if info.size is not None:
         lines.append(f"  size     {info.size} bytes")
+    if info.user is not None or info.owner is not None:  # whose records change it
+        owners = [f"RabbitMQ user {info.user!r}"] if info.user is not None else []
+        owners += [f"signing key {info.owner!r}"] if info.owner is not None else []
+        lines.append(f"  owner    {', '.join(owners)}")
     if info.occurrence:
         lines.append(f"  recurring, occurrence {info.occurrence} (docs/recurring.md)")
     if info.pending_copies and info.pending_copies > 1:

@@ -16,9 +16,10 @@ def new_prefix_warning(topology: Topology, url: str) -> str:
     prefix, steps = topology.prefix, topology.step_queues
     return (
         f"prefix {prefix!r} did not exist at {url}; this relay declared it: exchange "
-        f"{topology.expired_exchange}, queues {topology.relay_queue} and "
-        f"{topology.parked_queue}, {len(steps)} step queues {steps[0]} to {steps[-1]}, "
-        f"streams {topology.cancel_stream} and {topology.journal_stream}. If the "
+        f"{topology.expired_exchange}, queues {topology.relay_queue}, "
+        f"{topology.ingress_queue} and {topology.parked_queue}, {len(steps)} step queues "
+        f"{steps[0]} to {steps[-1]}, streams {topology.cancel_stream}, "
+        f"{topology.journal_stream} and {topology.ingress_registry}. If the "
         "schedulers use an existing prefix, a mistyped --prefix (HOPSCHED_PREFIX) is a "
         "common cause: their messages wait there, unrelayed. Then stop this relay, run "
         f"`hopsched teardown --prefix {prefix}` to remove what it declared, and start it "

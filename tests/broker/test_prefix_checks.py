@@ -122,9 +122,10 @@ async def test_a_relay_on_a_prefix_that_does_not_exist_says_so_loudly(
     prefix = settings.prefix
     assert warned[0].getMessage() == (
         f"prefix {prefix!r} did not exist at {settings.masked_url}; this relay declared it: "
-        f"exchange {prefix}.expired, queues {prefix}.relay and {prefix}.parked, "
-        f"{len(topology.step_queues)} step queues {prefix}.step.16 to "
-        f"{prefix}.step.4294967296, streams {prefix}.cancelled and {prefix}.journal. If "
+        f"exchange {prefix}.expired, queues {prefix}.relay, {prefix}.ingress and "
+        f"{prefix}.parked, {len(topology.step_queues)} step queues {prefix}.step.16 to "
+        f"{prefix}.step.4294967296, streams {prefix}.cancelled, {prefix}.journal and "
+        f"{prefix}.ingresses. If "
         "the schedulers use an existing prefix, a mistyped --prefix (HOPSCHED_PREFIX) is a "
         "common cause: their messages wait there, unrelayed. Then stop this relay, run "
         f"`hopsched teardown --prefix {prefix}` to remove what it declared, and start it "
