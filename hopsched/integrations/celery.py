@@ -230,6 +230,7 @@ class _Diverted:
                 enabled=self._fallback,
                 what=task,
                 instead="sent with its eta, held by a worker until due",
+                notes=self._scheduler,
             )
             self._producer.publish(body, **options)
 

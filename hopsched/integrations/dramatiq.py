@@ -97,6 +97,7 @@ class HopschedBroker(RabbitmqBroker):
                 enabled=self.fallback,
                 what=f"message {message.message_id}",
                 instead=f"it goes on {dq_name(queue_name)}, held by a worker until due",
+                notes=self,
             )
             # Middleware sees before_enqueue again, as on RabbitmqBroker's own retries.
             return super().enqueue(message, delay=delay)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine
 from datetime import datetime
@@ -25,7 +27,27 @@ __all__ = ["SyncScheduler", "fall_back_or_raise"]
 log = logging.getLogger("hopsched.integrations")
 
 
-def fall_back_or_raise(error: HopschedError, *, enabled: bool, what: str, instead: str) -> None:
+#: An integration logs its fallbacks at most once per this many seconds, with a count.
+FALLBACK_NOTE_EVERY_S = 60.0
+
+
+class _Notes:
+    """When an integration last logged a fallback, and how many it has not logged since."""
+
+    __slots__ = ("last", "since")
+
+    def __init__(self) -> None:
+        self.last = -math.inf
+        self.since = 0
+
+
+#: Per integration object (its broker or scheduler): a new one logs its first at once.
+_NOTES: weakref.WeakKeyDictionary[object, _Notes] = weakref.WeakKeyDictionary()
+
+
+def fall_back_or_raise(
+    error: HopschedError, *, enabled: bool, what: str, instead: str, notes: object = None
+) -> None:
     """A framework integration's delay that hopsched did not take: return (after a
     WARNING) if the framework's own delay should take it, else raise ``error``.
 
@@ -34,6 +56,9 @@ def fall_back_or_raise(error: HopschedError, *, enabled: bool, what: str, instea
         enabled: the integration's ``fallback`` setting.
         what: the message, for the log (``task ID``).
         instead: where it goes instead, for the log.
+        notes: the integration object whose fallbacks are logged together: its first at
+            once, then at most one per ``FALLBACK_NOTE_EVERY_S`` saying how many went
+            unlogged since (a broker outage would log one per message). None: each.
 
     Raises:
         error: ``enabled`` is False, or the error is the caller's (a ``ValueError``:
@@ -41,12 +66,24 @@ def fall_back_or_raise(error: HopschedError, *, enabled: bool, what: str, instea
     """
     if not enabled or isinstance(error, ValueError):
         raise error
+    more = ""
+    if notes is not None:
+        kept = _NOTES.setdefault(notes, _Notes())
+        now = time.monotonic()
+        if now - kept.last < FALLBACK_NOTE_EVERY_S:
+            kept.since += 1
+            log.debug("hopsched did not take %s (%s): %s", what, error, instead)
+            return
+        if kept.since:
+            more = f"; {kept.since} more since the last such WARNING"
+        kept.last, kept.since = now, 0
     log.warning(
         "hopsched did not take %s (%s): %s, as without hopsched (a timed-out one may "
-        "also be delivered by hopsched: at least once)",
+        "also be delivered by hopsched: at least once)%s",
         what,
         error,
         instead,
+        more,
     )
 
 

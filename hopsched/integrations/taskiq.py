@@ -130,6 +130,7 @@ class HopschedBroker(AioPikaBroker):
                 enabled=self.fallback,
                 what=f"task {message.task_id}",
                 instead="it goes through taskiq-aio-pika's own delay",
+                notes=self,
             )
             await super().kick(message)
 
