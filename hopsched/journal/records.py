@@ -523,10 +523,11 @@ def _version(record: JournalRecord) -> tuple[int, int]:
 
 def _copy_rank(
     record: JournalRecord,
-) -> tuple[tuple[int, int], bool, bool, int, int, str, str]:
+) -> tuple[tuple[int, int], bool, bool, int, int, str, str, str]:
     """The newest copy first; of one copy's records, one with the message's copy, then
     a producer's (it has the origin), then the latest (then any order, but always the
-    same: the fold must not depend on the order it reads in, so the origin too)."""
+    same: the fold must not depend on the order it reads in, so the origin and user
+    too)."""
     return (
         _version(record),
         record.copy is not None,
@@ -535,6 +536,7 @@ def _copy_rank(
         record.due_us or 0,
         record.op,
         record.origin or "",
+        record.user or "",
     )
 
 
