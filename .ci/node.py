@@ -46,12 +46,13 @@ async def main(env_file: Path) -> None:
             f"management {node.management_url}, in {node.root}",
             flush=True,
         )
-        try:
-            await stop.wait()
-        finally:
-            env_file.unlink(missing_ok=True)  # it named a node that is gone
+        await stop.wait()
     print(f"node {node.node} stopped and removed", flush=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(Path(sys.argv[1])))
+    env = Path(sys.argv[1])
+    try:
+        asyncio.run(main(env))
+    finally:
+        env.unlink(missing_ok=True)  # it named a node that is gone
