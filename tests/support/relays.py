@@ -27,9 +27,14 @@ def _hopsched_command() -> list[str]:
 class RelayProcess:
     """``hopsched relay`` in a subprocess; its log (stderr) is kept line by line."""
 
-    def __init__(self, settings: hopsched.Settings, *args: str) -> None:
+    def __init__(
+        self, settings: hopsched.Settings, *args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.settings = settings
         self.args = args
+        # on top of the test's; with PYTHONPATH (another version's code) it runs as
+        # ``python -m hopsched``: this environment's script imports this version's
+        self.env = env or {}
         self.lines: list[str] = []
         self._process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -50,15 +55,27 @@ class RelayProcess:
     async def start(self) -> RelayProcess:
         """Start it and return once it logs that it consumes."""
         assert self._process is None or self._process.returncode is not None
-        env = dict(os.environ) | {
-            "HOPSCHED_URL": self.settings.url,
-            "HOPSCHED_PREFIX": self.settings.prefix,
-            "HOPSCHED_QUEUE_TYPE": self.settings.queue_type,
-            "HOPSCHED_HOLD_WINDOW_MS": str(self.settings.hold_window_ms),
-        }
+        env = (
+            dict(os.environ)
+            | {
+                "HOPSCHED_URL": self.settings.url,
+                "HOPSCHED_PREFIX": self.settings.prefix,
+                "HOPSCHED_QUEUE_TYPE": self.settings.queue_type,
+                "HOPSCHED_HOLD_WINDOW_MS": str(self.settings.hold_window_ms),
+            }
+            | self.env
+        )
         consuming = self.count("relay consuming")
+        command = (
+            [sys.executable, "-m", "hopsched"] if "PYTHONPATH" in self.env else _hopsched_command()
+        )
         self._process = await asyncio.create_subprocess_exec(
-            *_hopsched_command(), "relay", *self.args, env=env, stderr=asyncio.subprocess.PIPE
+            *command,
+            "relay",
+            *self.args,
+            env=env,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=self.env.get("PYTHONPATH"),  # not a checkout whose package would come first
         )
         self._reader = asyncio.create_task(self._read(self._process))
         await self.wait_for("relay consuming", consuming + 1, RELAY_START_S)
