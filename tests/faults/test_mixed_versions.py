@@ -17,8 +17,10 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import Collector, Targets
@@ -65,11 +67,19 @@ asyncio.run(main(sys.argv[1]))
 def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The previous release's package, extracted from the repository's history."""
     tree = tmp_path_factory.mktemp("previous")
-    archive = subprocess.run(
-        ["git", "-C", str(REPOSITORY), "archive", PREVIOUS, "hopsched"],
-        capture_output=True,
-        check=False,
-    )
+
+    def git(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            ["git", "-C", str(REPOSITORY), *args], capture_output=True, check=False, timeout=120
+        )
+
+    archive = git("archive", PREVIOUS, "hopsched")
+    if (
+        archive.returncode != 0
+        and git("rev-parse", "--is-shallow-repository").stdout.strip() == b"true"
+    ):
+        git("fetch", "--quiet", "--unshallow")  # a shallow clone: its origin has the history
+        archive = git("archive", PREVIOUS, "hopsched")
     assert archive.returncode == 0, (
         f"git archive {PREVIOUS} failed ({archive.stderr.decode().strip()}): this test needs "
         "the repository's history (a full clone, not a shallow one)"
@@ -86,7 +96,7 @@ def version_env(previous: Path | None) -> dict[str, str]:
 
 async def run_client(
     settings: hopsched.Settings, target: str, previous: Path | None
-) -> dict[str, object]:
+) -> dict[str, Any]:
     env = (
         dict(os.environ)
         | version_env(previous)
@@ -108,28 +118,29 @@ async def run_client(
     )  # fmt: skip  (cwd: "-c" puts it first on sys.path; a checkout's package would win)
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 0, err.decode()
-    return json.loads(out.decode().splitlines()[-1])  # type: ignore[no-any-return]
+    answer: dict[str, Any] = json.loads(out.decode().splitlines()[-1])
+    return answer
 
 
 @pytest.mark.parametrize("relay_is", ["previous", "current"])
 async def test_a_relay_and_a_client_of_the_versions_next_to_each_other(
-    make_settings: object,
+    make_settings: Callable[..., hopsched.Settings],
     targets: Targets,
     previous: Path,
     relay_is: str,
 ) -> None:
     """The previous release's relay with this version's client, and this version's relay
     with the previous release's client."""
-    settings = make_settings()  # type: ignore[operator]
+    settings = make_settings()
     relay_code, client_code = (previous, None) if relay_is == "previous" else (None, previous)
     target = await targets.queue()
     relay = RelayProcess(settings, env=version_env(relay_code))
     await relay.start()  # it declares the prefix, as a relay of either version does
     try:
         asked = await run_client(settings, target.name, client_code)
-        kept: dict[str, int] = asked["kept"]  # type: ignore[assignment]
-        moved_id, moved_due = asked["moved"]  # type: ignore[misc]
-        chain_id, first_due = asked["chain"]  # type: ignore[misc]
+        kept: dict[str, int] = asked["kept"]
+        moved_id, moved_due = asked["moved"]
+        chain_id, first_due = asked["chain"]
         # each side ran the code it was meant to: the client's package, the relay's start
         # line (the previous release's names no version)
         client_tree = str(client_code or REPOSITORY)
