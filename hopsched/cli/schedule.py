@@ -27,6 +27,7 @@ from hopsched.cli.notes import interrupted_schedule, other_pending
 from hopsched.client.prepare import check_schedule_id, due_time_us
 from hopsched.client.scheduler import Cancelled, Scheduler
 from hopsched.client.sending import Scheduled
+from hopsched.core.cancel import reaches, writer_scope
 from hopsched.core.clock import datetime_to_us, now_us, us_to_datetime
 from hopsched.core.recurring import CatchUp, Rule, plan_link
 from hopsched.errors import (
@@ -413,14 +414,11 @@ def _warn_of_a_past_start(rule: Rule, first_us: int, now: int) -> None:
 
 
 def _ours(info: ScheduleInfo, settings: Settings) -> bool:
-    """Whether this login's records reach the schedule (``hopsched.core.cancel``)."""
-    if info.owner is not None:  # signed: a record signed with the same key
-        return any(key.key_id == info.owner for key in settings.signatures.keys)
-    if settings.signatures.keys:  # its records are signed: they reach signed ones only
-        return False
-    return (
-        info.user is None or info.user == settings.owner or settings.owner in settings.trusted_users
-    )
+    """Whether this login's records reach the schedule, as the relays decide
+    (``hopsched.core.cancel.reaches``): signed with each of its keys, else unsigned."""
+    scopes: list[str | None] = [key.key_id for key in settings.signatures.keys]
+    scopes = scopes or [writer_scope(settings.owner, settings.trusted_users)]
+    return any(reaches(scope, info.owner, info.user) for scope in scopes)
 
 
 def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:

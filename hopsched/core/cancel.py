@@ -63,6 +63,7 @@ __all__ = [
     "reaches",
     "record_scope",
     "user_scope",
+    "writer_scope",
 ]
 
 CANCEL, RESCHEDULE = "cancel", "reschedule"
@@ -249,6 +250,14 @@ def user_scope(user: str) -> str:
     return _USER + user
 
 
+def writer_scope(user: str | None, trusted: Collection[str]) -> str | None:
+    """The scope of an unsigned record that RabbitMQ user ``user`` wrote (None: a
+    message without ``user_id``), naming no ``own``."""
+    if user is None:
+        return None
+    return EVERY if user in trusted else user_scope(user)
+
+
 def record_scope(
     record: Record, trusted: Collection[str], relays: Collection[str] = ()
 ) -> str | None:
@@ -265,13 +274,11 @@ def record_scope(
     if record.key_id is not None:
         return record.key_id
     user = record.user
-    if user is None:
-        return None
-    if record.own is not None and (user in trusted or user in relays):
+    if user is not None and record.own is not None and (user in trusted or user in relays):
         if record.own == OWN_EVERY:
             return EVERY
         return user_scope(record.own) if record.own else None
-    return EVERY if user in trusted else user_scope(user)
+    return writer_scope(user, trusted)
 
 
 def reaches(scope: str | None, owner: str | None, user: str | None) -> bool:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from hopsched.core.cancel import EVERY, reaches, user_scope
+from hopsched.core.cancel import reaches, user_scope, writer_scope
 from hopsched.core.clock import us_to_datetime
 from hopsched.core.envelope import Envelope
 from hopsched.core.id_table import IdTable
@@ -77,7 +77,6 @@ __all__ = [
     "cancel_copy_record",
     "cancel_owner",
     "cancel_reaches",
-    "cancel_scope",
     "decode_journal",
     "delivered_record",
     "encode_journal",
@@ -451,14 +450,6 @@ def cancel_owner(key_ids: Sequence[str]) -> str:
     return ",".join(key_ids)
 
 
-def cancel_scope(user: str | None, trusted: Collection[str]) -> str | None:
-    """The scope (``hopsched.core.cancel.record_scope``) of an unsigned cancel written by
-    RabbitMQ user ``user`` (None: unknown)."""
-    if user is None:
-        return None
-    return EVERY if user in trusted else user_scope(user)
-
-
 def cancel_reaches(
     cancel_owner: str | None,
     copy_owner: str | None,
@@ -468,8 +459,8 @@ def cancel_reaches(
     """Whether a cancel written by ``cancel_owner`` (``JournalRecord.owner``) takes a copy
     signed by ``copy_owner`` and owned by ``copy_user``, as the relays decide
     (``hopsched.core.cancel``): a record reaches the messages its key signed; an
-    unsigned one (``""``), by its ``scope`` (``cancel_scope``), unsigned messages only. A
-    cancel journaled before it said (None) takes every copy, as it was shown then."""
+    unsigned one (``""``), by its ``scope`` (``writer_scope``), unsigned messages only.
+    A cancel journaled before it said (None) takes every copy, as it was shown then."""
     if cancel_owner is None:
         return True
     if not cancel_owner:
@@ -500,7 +491,7 @@ class _Entry:
         )
 
 
-#: A cancel as the fold keeps it: its instant, ``owner`` and ``cancel_scope``.
+#: A cancel as the fold keeps it: its instant, ``owner`` and ``writer_scope``.
 _Cancel = tuple[int, str | None, str | None]
 
 
@@ -652,7 +643,7 @@ class JournalFold:
             entry.outcome = record
 
     def _cancel(self, record: JournalRecord) -> _Cancel:
-        return record.at_us, record.owner, cancel_scope(record.user, self.trusted)
+        return record.at_us, record.owner, writer_scope(record.user, self.trusted)
 
     def _older_cancelled(self, record: JournalRecord) -> _Cancel:
         """The cancel a ``replace`` or ``reschedule`` wrote for the older copies of its id

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hopsched.core.cancel import CANCEL, Record, reaches, record_scope
+from hopsched.core.cancel import CANCEL, Record, reaches, record_scope, writer_scope
 from hopsched.core.envelope import Envelope
 from hopsched.core.ladder import US_PER_MS, Hop, Ladder, refresh_step_ms, retention_bound_us
 from hopsched.journal import records as journal_module
@@ -36,7 +36,6 @@ from hopsched.journal.records import (
     cancel_copy_record,
     cancel_owner,
     cancel_reaches,
-    cancel_scope,
     decode_journal,
     delivered_record,
     encode_journal,
@@ -324,7 +323,7 @@ def test_F45_a_journaled_cancel_reaches_what_the_relays_apply_it_to(
 ) -> None:
     record = Record(CANCEL, "x", NOW, user=cancel_user)
     relays = reaches(record_scope(record, {"ops"}), None, copy_user)
-    assert cancel_reaches("", None, cancel_scope(cancel_user, {"ops"}), copy_user) == relays
+    assert cancel_reaches("", None, writer_scope(cancel_user, {"ops"}), copy_user) == relays
 
 
 key_ids = st.lists(st.sampled_from(["a", "b", "c", "2026-12"]), unique=True, max_size=3)
