@@ -358,13 +358,19 @@ async def test_delayed_messages_count(
     queue = await targets.queue()
     await bind_to_due_exchange(settings, name, queue.name, "")
     ingested_before = relay.stats.ingested
+    journaled_before = relay.stats.journal_records
     ids = [f"count-{uuid.uuid4().hex[:8]}-{n}" for n in range(len(delays))]
     sent = []
     for message_id, delay in zip(ids, delays, strict=True):
         [(_, instant)] = await publish(amqp, name, [delay], message_id=message_id)
         sent.append(instant)
+    # Ingested, and their journal records confirmed: the relay counts a message ingested
+    # before its record, written in a batch, is in the journal that pending() reads.
     async with asyncio.timeout(5):
-        while relay.stats.ingested - ingested_before < len(delays):  # noqa: ASYNC110
+        while (  # noqa: ASYNC110
+            relay.stats.ingested - ingested_before < len(delays)
+            or relay.stats.journal_records - journaled_before < len(delays)
+        ):
             await asyncio.sleep(0.02)
     pending = {info.schedule_id: info async for info in scheduler.pending()}
     assert len(queue) == 0  # none due yet
