@@ -28,6 +28,7 @@ from bench_workload import Workload, parse_delays
 import hopsched
 import hopsched.core.envelope
 import hopsched.core.ladder
+from hopsched.broker.objects import declare
 from hopsched.core.envelope import HEADER_HOP_EXPIRES
 
 try:
@@ -183,7 +184,7 @@ async def relay_hops(
     processes: list[asyncio.subprocess.Process] = []
     samplers: list[ProcessSampler] = []
     try:
-        await topology.declare(connection)
+        await declare(topology, connection)
         channel = await connection.channel(publisher_confirms=True)
         if deliver:
             await channel.declare_queue(target, durable=True)

@@ -24,6 +24,7 @@ import uuid
 
 import hopsched
 from hopsched import ScheduleRequest
+from hopsched.broker.objects import teardown
 from hopsched.connect import connect
 
 
@@ -83,7 +84,7 @@ async def main() -> None:
         else:
             connection = await connect(settings)
             async with connection:
-                await hopsched.Topology.from_settings(settings).teardown(connection, force=True)
+                await teardown(hopsched.Topology.from_settings(settings), connection, force=True)
 
 
 asyncio.run(main())

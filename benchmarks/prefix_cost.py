@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper m
 from bench_ladder import ladder_name, parse_ladder
 
 import hopsched
+from hopsched.broker.objects import declare_topology, teardown
 from hopsched.testing.localbroker import (
     Installation,
     PrivateBroker,
@@ -40,7 +41,6 @@ from hopsched.testing.localbroker import (
     machine_installation,
     private_node,
 )
-from hopsched.topology import declare_topology
 
 #: Seconds the node is left alone before each reading (quorum queues elect, write).
 SETTLE_S = 10.0
@@ -80,7 +80,7 @@ async def measure(
         connection = await aio_pika.connect(node.url)
         async with connection:
             for one in settings:
-                await hopsched.Topology.from_settings(one).teardown(connection)
+                await teardown(hopsched.Topology.from_settings(one), connection)
         await asyncio.sleep(SETTLE_S)
         after = await reading(node)
     topology = hopsched.Topology.from_settings(settings[0])

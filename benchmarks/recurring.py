@@ -43,6 +43,7 @@ import click
 import psutil
 
 import hopsched
+from hopsched.broker.objects import teardown
 from hopsched.core.clock import now_us, us_to_datetime
 from hopsched.core.envelope import HEADER_DUE, HEADER_KEY
 from hopsched.topology import Topology
@@ -258,7 +259,7 @@ async def run(
     finally:
         relay.terminate()
         await relay.wait()
-        await topology.teardown(connection, force=True)
+        await teardown(topology, connection, force=True)
         await target.delete(if_unused=False, if_empty=False)
         await connection.close()
 

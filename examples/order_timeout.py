@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 import aio_pika
 
 from hopsched import DeliveryInfo, Relay, Scheduler, Settings, Topology
+from hopsched.broker.objects import teardown
 from hopsched.connect import connect
 
 PREFIX = os.environ.get("HOPSCHED_PREFIX", "hopsched-example")
@@ -60,7 +61,7 @@ async def main() -> None:
 
         await relay.stop()
         await relaying
-        await Topology.from_settings(settings).teardown(connection)  # refuses if in use
+        await teardown(Topology.from_settings(settings), connection)  # refuses if in use
 
 
 if __name__ == "__main__":

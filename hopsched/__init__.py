@@ -6,8 +6,9 @@ message into the largest step that still fits and delivers it to its target once
 
 The package, from the bottom up (a module imports only from its own layer or below):
 ``errors`` and ``version``; ``amqp`` (the transport); ``core`` (pure: no I/O, no
-clock of its own); ``settings``, ``connect`` and ``topology`` (names, declare,
-upgrade, teardown); ``journal`` (the streams); ``broker`` (operating a prefix);
+clock of its own); ``settings``, ``connect`` and ``topology`` (a prefix's names and arguments);
+``journal`` (the streams); ``broker`` (operating a prefix: declare, upgrade, teardown,
+policies);
 ``client`` (``Scheduler``) and ``relay`` (the daemon); ``cli``, ``integrations``
 (Celery, Dramatiq, Taskiq) and ``testing`` (private nodes) on top.
 """

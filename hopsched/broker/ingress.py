@@ -23,6 +23,7 @@ import uuid
 import aio_pika
 import aiormq
 
+from hopsched.broker.objects import exists
 from hopsched.connect import connect
 from hopsched.core.ingress import Ingress, IngressRegistry
 from hopsched.errors import (
@@ -32,7 +33,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
 )
 from hopsched.settings import Settings
-from hopsched.topology import Topology, exists
+from hopsched.topology import Topology
 
 __all__ = ["bind_to_due_exchange", "declare_ingress", "list_ingresses", "remove_ingress"]
 

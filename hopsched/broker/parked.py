@@ -20,6 +20,7 @@ from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
 from hopsched import amqp
+from hopsched.broker.objects import Progress, inspect
 from hopsched.connect import connect
 from hopsched.core.envelope import (
     HEADER_DUE,
@@ -37,7 +38,7 @@ from hopsched.core.envelope import (
 from hopsched.errors import PrefixNotDeclaredError
 from hopsched.journal.cancels import handed_back_reasons
 from hopsched.settings import Settings
-from hopsched.topology import Progress, Topology
+from hopsched.topology import Topology
 
 __all__ = ["ParkedListing", "ParkedMessage", "ReplayResult", "list_parked", "replay_parked"]
 
@@ -232,7 +233,7 @@ async def _parked_messages(
     queue = topology.parked_queue
     connection = await connect(settings, name="hopsched-parked")
     async with connection:
-        depth = (await topology.inspect(connection))[queue]
+        depth = (await inspect(topology, connection))[queue]
         if depth is None:
             raise PrefixNotDeclaredError(
                 f"queue {queue!r} does not exist on {settings.masked_url}: this prefix is not "

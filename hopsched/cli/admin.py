@@ -9,10 +9,12 @@ from collections.abc import Mapping
 
 import click
 
+from hopsched.broker import objects
 from hopsched.broker.ingress import (
     list_ingresses,
 )
 from hopsched.broker.nodes import management_urls, unacknowledged
+from hopsched.broker.objects import Teardown
 from hopsched.cli.common import (
     PROGRESS_EVERY,
     connection_options,
@@ -24,13 +26,7 @@ from hopsched.connect import connect
 from hopsched.errors import (
     PrefixNotDeclaredError,
 )
-from hopsched.topology import (
-    ROLES,
-    QueueDepth,
-    Role,
-    Teardown,
-    Topology,
-)
+from hopsched.topology import ROLES, QueueDepth, Role, Topology
 
 
 @click.command()
@@ -43,8 +39,8 @@ def declare(url: str | None, prefix: str | None, queue_type: str | None) -> None
     async def go() -> dict[str, QueueDepth | None]:
         connection = await connect(settings)
         async with connection:
-            await topology.declare(connection)
-            return await topology.inspect(connection, check_arguments=False)
+            await objects.declare(topology, connection)
+            return await objects.inspect(topology, connection, check_arguments=False)
 
     depths = run(go(), settings)
     click.echo(f"declared on {settings.masked_url}:")
@@ -102,8 +98,8 @@ def teardown(
             ingresses = []
         connection = await connect(settings)
         async with connection:
-            done = await topology.teardown(
-                connection, force=force, count_held=count_held, progress=removed
+            done = await objects.teardown(
+                topology, connection, force=force, count_held=count_held, progress=removed
             )
             channel = await connection.channel()
             for each in ingresses:  # their exchanges, now that nothing routes into them
@@ -158,8 +154,8 @@ def upgrade(url: str | None, prefix: str | None, queue_type: str | None) -> None
     async def go() -> list[str]:
         connection = await connect(settings, name="hopsched-upgrade")
         async with connection:
-            done = await topology.upgrade(connection, progress=report)
-            await topology.declare(connection)  # and the rest, as any process would
+            done = await objects.upgrade(topology, connection, progress=report)
+            await objects.declare(topology, connection)  # and the rest, as any process would
             return done
 
     for line in run(go(), settings):

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import aio_pika
 import aiormq
 
+from hopsched.broker.objects import declare_topology, teardown
 from hopsched.client.scheduler import Scheduler
 from hopsched.connect import connect
 from hopsched.core.clock import now_us
@@ -28,7 +29,7 @@ from hopsched.relay.loop import Relay
 from hopsched.relay.stats import LatenessStats
 from hopsched.settings import Settings
 from hopsched.testing.localbroker import private_node, rabbitmq_installation
-from hopsched.topology import Topology, declare_topology
+from hopsched.topology import Topology
 
 __all__ = [
     "GET_A_BROKER",
@@ -302,7 +303,7 @@ async def _remove_ladder(
     out: TextIO,
 ) -> None:
     try:
-        done = await topology.teardown(connection)
+        done = await teardown(topology, connection)
     except HopschedError as refused:  # messages still on it (interrupted): never delete those
         out.write(
             f"the demo's ladder {topology.prefix} stays declared, its messages still on it "

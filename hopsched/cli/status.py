@@ -9,6 +9,7 @@ from typing import Any, cast
 import click
 
 from hopsched.broker.nodes import RelayNodes, management_urls, relay_nodes
+from hopsched.broker.objects import inspect
 from hopsched.cli.common import (
     Failure,
     NoPrefix,
@@ -76,9 +77,9 @@ def status(
     ]:
         connection = await connect(settings)
         async with connection:
-            depths = await topology.inspect(connection, check_arguments=False)
+            depths = await inspect(topology, connection, check_arguments=False)
             try:  # after the depths: an interrupted upgrade shows whatever the arguments
-                await topology.inspect(connection)
+                await inspect(topology, connection)
             except TopologyMismatchError as error:
                 mismatch: str | None = str(error)
             else:

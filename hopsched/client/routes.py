@@ -27,10 +27,10 @@ from typing import Any
 from urllib.parse import quote
 
 from hopsched.broker.management import api_get, management_urls, why
+from hopsched.broker.objects import exists
 from hopsched.connect import connect
 from hopsched.errors import TargetCheckError, UnroutableTargetError
 from hopsched.settings import Settings
-from hopsched.topology import exists
 from hopsched.urls import mask_url
 
 __all__ = [

@@ -19,6 +19,7 @@ from pamqp import commands
 
 from hopsched import amqp
 from hopsched.amqp.publisher import Publisher
+from hopsched.broker.objects import declare_topology
 from hopsched.broker.policies import PolicyReport
 from hopsched.broker.policy_watch import warn_on_risk
 from hopsched.client.prepare import (
@@ -61,7 +62,7 @@ from hopsched.journal.records import (
 from hopsched.journal.retry import JournalRetry
 from hopsched.journal.stream import JournalWriter, read_journal
 from hopsched.settings import Settings
-from hopsched.topology import Topology, declare_topology
+from hopsched.topology import Topology
 
 __all__ = [
     "CANCEL_LEAD_S",

@@ -30,6 +30,7 @@ from pamqp import commands
 from hopsched import amqp
 from hopsched.amqp.acks import Acker
 from hopsched.amqp.publisher import LADDER_LANE, Publisher, target_lane
+from hopsched.broker.objects import declare_topology
 from hopsched.broker.policy_watch import PolicyWatch
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
 from hopsched.core.cancel import CANCEL, Cancellations
@@ -83,7 +84,6 @@ from hopsched.topology import (
     DEAD_LETTER_ROUTING_KEY,
     RELAY_CONSUMER_ARGUMENTS,
     Topology,
-    declare_topology,
 )
 from hopsched.version import __version__
 

@@ -31,6 +31,7 @@ from support import (
 from support.private_nodes import require_rabbitmq
 
 import hopsched
+from hopsched.broker.objects import declare
 from hopsched.cli.common import EXIT_NO_PREFIX
 from hopsched.core.clock import datetime_to_us, now_us
 from hopsched.testing.localbroker import free_port
@@ -324,7 +325,7 @@ async def test_status_and_parked_list_report_a_queue_type_mismatch_and_declare_n
     settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
     topology = hopsched.Topology.from_settings(settings)
-    await topology.declare(amqp)  # quorum
+    await declare(topology, amqp)  # quorum
     gone = topology.step_queue(16)
     await (await amqp.channel()).queue_delete(gone)
 

@@ -24,8 +24,8 @@ from support import BROKER_URL, Relays, Targets, hopsched_cli, message_count, se
 from support.private_nodes import PrivateBroker
 
 import hopsched
+from hopsched.broker.objects import declare_topology
 from hopsched.core.clock import datetime_to_us, now_us
-from hopsched.topology import declare_topology
 
 
 async def test_in_takes_a_compound_duration(settings: hopsched.Settings) -> None:

@@ -14,6 +14,7 @@ import pytest
 from support import Relays, Targets, hopsched_cli, schedule_all
 
 import hopsched
+from hopsched.broker.objects import found_steps
 from hopsched.topology import ANY_STEP_MS
 
 AMQP = aio_pika.abc.AbstractConnection
@@ -59,7 +60,7 @@ async def test_a_lighter_ladder_delivers_never_early_loses_nothing_and_declares_
     for one in scheduled:
         if one.first_queue.startswith(f"{settings.prefix}.step."):
             assert int(one.first_queue.rsplit(".", 1)[1]) in steps
-    found = await hopsched.Topology.from_settings(settings).found_steps(amqp)
+    found = await found_steps(hopsched.Topology.from_settings(settings), amqp)
     assert found == set(steps), "the relay or Scheduler declared a step of another ladder"
     assert len(found) < len(hopsched.Ladder().steps)
     print(f"\n{settings.ladder.description}: {target.lateness_line()}")
@@ -107,7 +108,7 @@ async def test_a_scheduler_and_a_relay_of_another_ladder_are_refused_naming_both
     assert target.counts() == {s.schedule_id: 1 for s in before}
     assert relays.is_running(relay)
     assert relay.totals.parked == 0
-    found = await hopsched.Topology.from_settings(light).found_steps(amqp)
+    found = await found_steps(hopsched.Topology.from_settings(light), amqp)
     assert found == set(light.ladder.steps), "a refused process declared a step queue"
 
 
@@ -138,5 +139,5 @@ async def test_a_lighter_scheduler_runs_on_a_default_prefix_and_teardown_removes
         "teardown", settings=light, env={"HOPSCHED_STEP_RATIO": "4"}
     )
     assert status == 0, err + out
-    assert await hopsched.Topology.from_settings(light).found_steps(amqp) == set()
+    assert await found_steps(hopsched.Topology.from_settings(light), amqp) == set()
     assert len(ANY_STEP_MS) == 33  # 1 ms .. 2**32 ms: every step any ladder can have

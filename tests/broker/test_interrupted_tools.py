@@ -24,7 +24,8 @@ import pytest
 from support import Cleanup, get_all, hopsched_cli, message_count, wait_until_count
 
 import hopsched
-from hopsched.topology import DEAD_LETTER_ROUTING_KEY, declare_topology
+from hopsched.broker.objects import declare_topology
+from hopsched.topology import DEAD_LETTER_ROUTING_KEY
 
 AMQP = aio_pika.abc.AbstractConnection
 INTERRUPT = Path(__file__).parents[1] / "support" / "interrupt.py"

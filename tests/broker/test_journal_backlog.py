@@ -17,9 +17,10 @@ import pytest
 from support import Relays, Targets, until
 
 import hopsched
+from hopsched.broker.objects import declare_topology
 from hopsched.errors import ChannelClosedError
 from hopsched.journal.records import DELIVERED, HELD, PENDING
-from hopsched.topology import Topology, declare_topology
+from hopsched.topology import Topology
 
 COUNT = 20
 

@@ -20,6 +20,7 @@ from support import Relays, hopsched_cli
 
 import hopsched
 from hopsched.broker.management import ManagementClient, management_urls
+from hopsched.broker.objects import declare_topology
 from hopsched.broker.policy_watch import UNCHECKED_TOUCH_INTERVAL_S, PolicyWatch
 from hopsched.errors import ManagementAPIError
 from hopsched.testing.localbroker import free_port
@@ -133,7 +134,7 @@ async def test_without_a_broker_the_watch_tries_a_queue_a_round_and_says_so_once
 
 
 async def test_the_commands_without_the_management_api(settings: hopsched.Settings) -> None:
-    await hopsched.topology.declare_topology(settings)
+    await declare_topology(settings)
     env = {"HOPSCHED_MANAGEMENT_URL": CLOSED}
 
     status, out, err = await hopsched_cli("status", settings=settings, env=env)

@@ -12,7 +12,7 @@ import pytest
 from support import Relays, hopsched_cli, message_count
 
 import hopsched
-from hopsched.topology import declare_topology
+from hopsched.broker.objects import declare_topology
 
 AMQP = aio_pika.abc.AbstractConnection
 

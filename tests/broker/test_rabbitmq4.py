@@ -22,13 +22,9 @@ from support import (
 
 import hopsched
 from hopsched.broker import policy_watch
+from hopsched.broker.objects import declare_topology
 from hopsched.core.decide import WAIT_MAX_US
-from hopsched.topology import (
-    PARKED_DELIVERY_LIMIT,
-    RELAY_CONSUMER_ARGUMENTS,
-    RELAY_DELIVERY_LIMIT,
-    declare_topology,
-)
+from hopsched.topology import PARKED_DELIVERY_LIMIT, RELAY_CONSUMER_ARGUMENTS, RELAY_DELIVERY_LIMIT
 
 AMQP = aio_pika.abc.AbstractConnection
 #: RabbitMQ 4.0's delivery limit for a quorum queue that sets none

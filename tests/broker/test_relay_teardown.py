@@ -31,6 +31,7 @@ from support.private_nodes import PrivateBroker
 import hopsched
 from hopsched import amqp
 from hopsched.amqp.publisher import Publisher
+from hopsched.broker.objects import declare
 from hopsched.broker.parked import list_parked
 from hopsched.connect import Connector
 from hopsched.core.cancel import CANCEL, Cancellations, Record, RecordTally, encode_records
@@ -157,7 +158,7 @@ async def append(connection: AMQP, stream: str, records: list[Record]) -> None:
 
 async def declare_stream(connection: AMQP, settings: hopsched.Settings) -> str:
     topology = hopsched.Topology.from_settings(settings)
-    await topology.declare(connection, [topology.cancel_stream])
+    await declare(topology, connection, [topology.cancel_stream])
     return topology.cancel_stream
 
 

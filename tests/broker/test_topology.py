@@ -11,12 +11,12 @@ import pytest
 from support import Cleanup, get_all, hopsched_cli, queue_arguments, rabbitmqctl_path
 
 import hopsched
+from hopsched.broker.objects import declare_topology, inspect, upgrade
 from hopsched.topology import (
     DEAD_LETTER_ROUTING_KEY,
     LEADER_LOCATOR,
     PARKED_DELIVERY_LIMIT,
     RELAY_DELIVERY_LIMIT,
-    declare_topology,
 )
 
 AMQP = aio_pika.abc.AbstractConnection
@@ -116,7 +116,7 @@ async def test_an_earlier_prefix_is_refused_with_the_upgrade_path_then_upgraded(
     assert "hopsched upgrade" in str(caught.value)
     assert caught.value.queue == topology.relay_queue
 
-    done = await topology.upgrade(amqp)
+    done = await upgrade(topology, amqp)
 
     print("\n".join(done))
     assert len(done) == 2
@@ -146,7 +146,7 @@ async def test_the_upgrade_refuses_while_a_relay_consumes(
         await queue.consume(ignore)
 
         with pytest.raises(hopsched.HopschedError, match="stop every relay"):
-            await topology.upgrade(amqp)
+            await upgrade(topology, amqp)
 
 
 async def test_the_cli_names_the_upgrade_and_runs_it(
@@ -184,5 +184,5 @@ async def test_queues_declared_without_the_leader_locator_are_kept_as_they_are(
 
     held = await queue_arguments()
     assert all(LEADER_LOCATOR not in held[name] for name in topology.queues())
-    depths = await topology.inspect(amqp)
+    depths = await inspect(topology, amqp)
     assert all(depth is not None for depth in depths.values())

@@ -26,13 +26,13 @@ from support import Collector, hopsched_cli
 from support.private_nodes import khepri, require_rabbitmq
 
 import hopsched
+from hopsched.broker.objects import declare_topology, teardown
 from hopsched.testing.localbroker import (
     LocalBrokerError,
     PrivateBroker,
     PrivateCluster,
     private_cluster,
 )
-from hopsched.topology import declare_topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -425,6 +425,6 @@ async def test_cluster_scheduler_on_the_killed_node_fails_over(cluster: PrivateC
             await victim.start()
         connection = await aio_pika.connect(cluster.urls[(index + 1) % 3])
         try:
-            await hopsched.Topology.from_settings(settings).teardown(connection, force=True)
+            await teardown(hopsched.Topology.from_settings(settings), connection, force=True)
         finally:
             await connection.close()

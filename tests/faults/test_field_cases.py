@@ -27,6 +27,7 @@ from support.private_nodes import (
 from support.relays import RelayProcess
 
 import hopsched
+from hopsched.broker.objects import declare_topology
 from hopsched.broker.parked import list_parked, replay_parked
 from hopsched.core.clock import now_us
 from hopsched.core.envelope import Envelope
@@ -58,7 +59,7 @@ async def test_F19_a_target_full_for_30_s_loses_nothing_under_a_delivery_limit(
     messages (the relay requeued them once a second). Now each refusal is a back-off hop
     (a new message, never a redelivery): once the target has room, all arrive."""
     settings = node_settings(private_broker, prefix, target_retry_s=120.0)
-    await hopsched.topology.declare_topology(settings)
+    await declare_topology(settings)
     await limit_relay_queue(private_broker, settings)
     await relays.start(settings)
     full = await node_targets.queue(
@@ -87,7 +88,7 @@ async def test_F19_a_bad_message_among_100_costs_none_of_them_under_a_delivery_l
     4.x limit: 18 of the 101 were lost when the relay's connection looped. Now it is
     parked alone and the 100 arrive once each."""
     settings = node_settings(private_broker, prefix)
-    await hopsched.topology.declare_topology(settings)
+    await declare_topology(settings)
     await limit_relay_queue(private_broker, settings)
     relay = await relays.start(settings)
     target = await node_targets.queue()
@@ -120,7 +121,7 @@ async def test_F19_a_delivery_returned_past_the_limit_is_parked_not_dropped(
     limit: the broker dead-letters it into ``{prefix}.parked`` (the relay queue's own
     dead-letter path), where ``parked list`` says why and ``parked replay`` delivers it."""
     settings = node_settings(private_broker, prefix)
-    await hopsched.topology.declare_topology(settings)
+    await declare_topology(settings)
     await limit_relay_queue(private_broker, settings)
     target = await node_targets.queue()
     topology = hopsched.Topology.from_settings(settings)

@@ -33,11 +33,11 @@ from support.private_nodes import PrivateBroker
 
 import hopsched
 from hopsched.broker.management import ManagementClient
+from hopsched.broker.objects import declare_topology
 from hopsched.broker.parked import list_parked
 from hopsched.broker.policies import PolicyDefinition, PolicyReport, QueueView, applying, assess
 from hopsched.broker.policy_watch import CHECK_INTERVAL_S
 from hopsched.testing.localbroker import free_port
-from hopsched.topology import declare_topology
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ from support import Relays, message_count
 from support.private_nodes import PrivateBroker
 
 import hopsched
+from hopsched.broker.objects import declare_topology
 from hopsched.core.clock import now_us
 from hopsched.core.envelope import HEADER_HOP_EXPIRES, Envelope
 from hopsched.core.ladder import US_PER_MS
-from hopsched.topology import declare_topology
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,11 @@ import os
 import signal
 import sys
 
+from hopsched.broker.objects import Progress, teardown, upgrade
 from hopsched.broker.parked import replay_parked
 from hopsched.connect import connect
 from hopsched.settings import Settings
-from hopsched.topology import Progress, Topology
+from hopsched.topology import Topology
 
 
 def kill_at(wanted: str, count: int) -> Progress:
@@ -40,9 +41,9 @@ async def run(tool: str, progress: Progress) -> None:
     connection = await connect(settings, name=f"hopsched-{tool}")
     async with connection:
         if tool == "upgrade":
-            await topology.upgrade(connection, progress=progress)
+            await upgrade(topology, connection, progress=progress)
         elif tool == "teardown":
-            await topology.teardown(connection, force=True, progress=progress)
+            await teardown(topology, connection, force=True, progress=progress)
         else:
             raise SystemExit(f"unknown tool {tool!r}")
 
