@@ -101,7 +101,7 @@ class TopologyMismatchError(HopschedError):
 
 class LadderMismatchError(TopologyMismatchError):
     """The prefix's step queues are another ladder's: this process would publish into
-    steps nothing else declares (``Topology.check_ladder``). Not worth retrying.
+    steps nothing else declares (``hopsched.broker.objects.check_ladder``). Not worth retrying.
 
     Attributes:
         prefix: the prefix.

@@ -80,7 +80,7 @@ _VALUE = re.compile(
 
 @dataclass
 class Teardown:
-    """What ``Topology.teardown`` did.
+    """What ``teardown`` did.
 
     Attributes:
         removed: queue and exchange names deleted, in order.

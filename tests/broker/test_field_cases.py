@@ -43,6 +43,7 @@ from support import (
 
 import hopsched
 from hopsched.amqp.wire import PROPERTY_NAMES
+from hopsched.broker import objects
 from hopsched.core.clock import datetime_to_us, now_us
 
 AMQP = aio_pika.abc.AbstractConnection
@@ -177,8 +178,8 @@ async def test_F02b(
     async with hopsched.Scheduler(quorum) as first:
         connects: list[aio_pika.abc.AbstractConnection] = []
         declares: list[str] = []
-        real_connect = hopsched.topology.connect
-        real_declare = hopsched.Topology.declare
+        real_connect = objects.connect
+        real_declare = objects.declare
 
         async def counting_connect(*args: Any, **kwargs: Any) -> Any:
             connection = await real_connect(*args, **kwargs)
@@ -186,13 +187,13 @@ async def test_F02b(
             return connection
 
         async def counting_declare(
-            self: hopsched.Topology, connection: Any, names: Any = None
+            topology: hopsched.Topology, connection: Any, names: Any = None
         ) -> None:
-            declares.append(self.queue_type)
-            await real_declare(self, connection, names)
+            declares.append(topology.queue_type)
+            await real_declare(topology, connection, names)
 
-        monkeypatch.setattr(hopsched.topology, "connect", counting_connect)
-        monkeypatch.setattr(hopsched.Topology, "declare", counting_declare)
+        monkeypatch.setattr(objects, "connect", counting_connect)
+        monkeypatch.setattr(objects, "declare", counting_declare)
         classic = make_settings(queue_type="classic")
         started = time.monotonic()
         with pytest.raises(hopsched.TopologyMismatchError) as caught:
