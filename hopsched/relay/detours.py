@@ -1,7 +1,12 @@
 """What happens to a relay's delivery that cannot go the normal way (consume → decide →
-publish → ack, in ``hopsched.relay.loop``): parked with a reason, handed back to its queue
-as the last resort, a hop its step queue nacked tried again after a back-off, one a step
-returned early routed again after a wait, and a queue deleted at runtime declared again.
+publish → ack, in ``hopsched.relay.loop``), as four small handlers, each given only what
+it needs:
+
+* ``Refusals``: a 403 on the prefix's own objects ends the session (the grant to give);
+* ``Declarer``: the prefix's queues declared, and one deleted at runtime declared again;
+* ``Parking``: parked with a reason, or handed back to its queue as the last resort;
+* ``Retries``: a hop its step queue nacked or left silent tried again after a back-off,
+  one a step returned early routed again after a wait.
 
 Every path ends in an ack after a confirmed publish, a nack that dead-letters the
 delivery into ``{prefix}.parked``, or nothing while the connection is gone (the broker
@@ -13,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from hopsched import amqp
 from hopsched.amqp.publisher import LADDER_LANE
+from hopsched.broker.objects import declare_topology
 from hopsched.core.decide import NOTICED, Park, ParkKind, Wait
 from hopsched.core.envelope import (
     HEADER_EXCHANGE,
@@ -42,8 +48,18 @@ if TYPE_CHECKING:
     from hopsched.journal.cancels import CancelReader
     from hopsched.journal.stream import JournalWriter
     from hopsched.relay.stats import RelayStats
+    from hopsched.settings import Settings
+    from hopsched.topology import Topology
 
-__all__ = ["HOP_NACK_WAITS_S", "Detours", "Outcome", "schedule_id"]
+__all__ = [
+    "HOP_NACK_WAITS_S",
+    "Declarer",
+    "Outcome",
+    "Parking",
+    "Refusals",
+    "Retries",
+    "schedule_id",
+]
 
 log = logging.getLogger("hopsched.relay")
 
@@ -56,23 +72,95 @@ Outcome = Callable[[amqp.Outcome, Any], None]
 HOP_NACK_WAITS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0)
 
 
-class Detours:
-    """The detours of one session's deliveries.
+class Refusals:
+    """A 403 for the prefix's own objects: the session ends (``future`` gets the error)
+    and the relay exits, rather than park every message for ever.
 
     Args:
-        publisher: the session's publisher (parking goes on the ladder lane).
+        topology: the prefix (its relay grant is named in the error).
+        settings: the relay's login and vhost (for the ``rabbitmqctl`` line).
+    """
+
+    def __init__(self, topology: Topology, settings: Settings) -> None:
+        self.topology = topology
+        self.settings = settings
+        self.future: asyncio.Future[AccessRefusedError] = asyncio.get_running_loop().create_future()
+
+    def error(self, refusal: str) -> AccessRefusedError:
+        """The error for a 403 on one of the prefix's own objects (``refusal`` names the
+        permission): the grant to give, and the command that gives it."""
+        settings, topology = self.settings, self.topology
+        grant = topology.permissions("relay").command(settings.login, settings.vhost)
+        return AccessRefusedError(
+            f"{topology.prefix}'s relay, user {settings.login!r}: {refusal}. Give "
+            f"it the relay's grant (`hopsched permissions --prefix {settings.prefix} "
+            f"--role relay`, with --target-exchange for each target exchange): {grant}"
+        )
+
+    def own(self, detail: Any) -> bool:
+        """Whether a publish to the prefix's own queues (a hop, parking) was refused for
+        want of a permission (403): then the session ends, the delivery left unacked
+        (the broker delivers it again)."""
+        if not isinstance(detail, ChannelClosedError) or detail.reply_code != 403:
+            return False
+        if not self.future.done():
+            refusal = f"the broker refused ({detail}): this needs write permission on amq.default"
+            self.future.set_result(self.error(refusal + " (hops and parking)"))
+        return True
+
+
+class Declarer:
+    """Declares the prefix's queues on the node the session is on (if it answers), and
+    again one deleted at runtime (an operator, an ``expires`` policy); nothing once the
+    prefix was torn down (``torn_down``).
+
+    Args:
+        settings: the relay's settings (``declare_topology`` connects with them).
+        node_url: the session's node, tried first.
+    """
+
+    def __init__(self, settings: Settings, node_url: str | None) -> None:
+        self.settings = settings
+        self.node_url = node_url
+        self.torn_down = False
+        self._redeclaring: dict[str, asyncio.Future[None]] = {}
+
+    async def declare(self, names: list[str] | None = None) -> None:
+        """Declare the prefix's objects (or only the queues ``names``)."""
+        if not self.torn_down:
+            await declare_topology(self.settings, names, first=self.node_url)
+
+    def redeclare(self, queue: str, then: Callable[[], None]) -> None:
+        """Declare ``queue`` again, then run ``then``; one declare at a time per queue."""
+        pending = self._redeclaring.get(queue)
+        if pending is None:
+            log.warning("queue %s is missing; declaring it again", queue)
+            pending = asyncio.ensure_future(self.declare([queue]))
+            self._redeclaring[queue] = pending
+            pending.add_done_callback(functools.partial(self._redeclared, queue))
+        pending.add_done_callback(lambda _: then())
+
+    def _redeclared(self, queue: str, declared: asyncio.Future[None]) -> None:
+        self._redeclaring.pop(queue, None)
+        if not declared.cancelled() and (error := declared.exception()) is not None:
+            log.warning("declaring %s again failed (%s)", queue, error)  # then: parked
+
+
+class Parking:
+    """Parks a session's deliveries: a copy, with its reason, published to
+    ``{prefix}.parked`` and the delivery acked once that is confirmed; as the last resort
+    (a bug, parking refused) the delivery handed back, which its queue dead-letters there.
+
+    Args:
+        publisher: the session's publisher (parking goes on the ladder lane; notices too).
         acker: acks and nacks the session's deliveries.
+        topology: the prefix's queue names.
         stats: the relay's counters.
-        cancel_reader: where notices of parked and handed-back messages are written.
-        parked_queue, relay_queue: the prefix's queue names (for texts and parking).
-        clock: the time now, µs since the epoch.
-        connection_closed: the session's connection's closed future (a retry after it
-            closed does nothing: the delivery is unacked, the broker delivers it again).
-        declare: declares some of the prefix's queues again, by name.
-        refused: set to the session's end on a 403 for the prefix's own objects.
-        access_refused: builds that error from the refusal's text.
-        avoided: steps whose queues nacked lately (routed around by the decision).
+        notices: the cancel stream's writer: notices of parked and handed-back messages.
         journal: where a parked message's record goes once the park is confirmed.
+        clock: the time now, µs since the epoch.
+        declarer: declares ``{prefix}.parked`` again if it is gone.
+        refusals: a 403 for the parking queue ends the session.
     """
 
     def __init__(
@@ -80,33 +168,23 @@ class Detours:
         *,
         publisher: Publisher,
         acker: Acker,
+        topology: Topology,
         stats: RelayStats,
-        cancel_reader: CancelReader,
-        parked_queue: str,
-        relay_queue: str,
-        clock: Callable[[], int],
-        connection_closed: asyncio.Future[Any],
-        declare: Callable[[list[str]], Awaitable[None]],
-        refused: asyncio.Future[AccessRefusedError],
-        access_refused: Callable[[str], AccessRefusedError],
-        avoided: AvoidedSteps,
+        notices: CancelReader,
         journal: JournalWriter,
+        clock: Callable[[], int],
+        declarer: Declarer,
+        refusals: Refusals,
     ) -> None:
         self.publisher = publisher
         self.acker = acker
+        self.topology = topology
         self.stats = stats
-        self.cancel_reader = cancel_reader
-        self.parked_queue = parked_queue
-        self.relay_queue = relay_queue
-        self.clock = clock
-        self.connection_closed = connection_closed
-        self.declare = declare
-        self.refused = refused
-        self.access_refused = access_refused
-        self.avoided = avoided
+        self.notices = notices
         self.journal = journal
-        self.waiting = 0  # deliveries that came back early, waiting to be routed anew
-        self._redeclaring: dict[str, asyncio.Future[None]] = {}
+        self.clock = clock
+        self.declarer = declarer
+        self.refusals = refusals
 
     # --- a bug costs one message a detour, not a slot ----------------------------------
 
@@ -149,6 +227,15 @@ class Detours:
         park = Park(f"cannot decode its properties: {delivery.error}", ParkKind.UNDECODABLE)
         self._publish_parked(delivery, delivery.raw_properties, park, "an unknown target")
 
+    def not_published(
+        self, delivery: amqp.Delivery, what: str, outcome: amqp.Outcome, detail: Any
+    ) -> None:
+        """A publish (``what``) the broker refused: park it with the broker's refusal."""
+        if isinstance(detail, BrokerConnectionLost) or self.refusals.own(detail):
+            return
+        reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
+        self.park(delivery, Park(reason, ParkKind.REFUSED))
+
     def _publish_parked(
         self,
         delivery: amqp.Delivery,
@@ -158,28 +245,19 @@ class Detours:
         *,
         redeclared: bool = False,
     ) -> None:
+        parked_queue = self.topology.parked_queue
+
         def parked(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is amqp.Outcome.ACK:
-                self.stats.record_parked(park.kind)
-                self.acker.done(delivery.delivery_tag)
-                self._journal_parked(delivery, park)
-                if park.kind in NOTICED:
-                    self.cancel_reader.note_parked(self.publisher, schedule_id(delivery), park.kind)
-                if self.stats.first_problem(target, f"parked ({park.kind})"):
-                    log.warning(
-                        "parked a message for %s (schedule id %s): %s",
-                        target,
-                        schedule_id(delivery),
-                        park.reason,
-                    )
+                self._parked(delivery, park, target)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
-                self.redeclare(  # the parking queue is gone: declare it again
-                    self.parked_queue,
+                self.declarer.redeclare(  # the parking queue is gone: declare it again
+                    parked_queue,
                     lambda: self._publish_parked(
                         delivery, properties, park, target, redeclared=True
                     ),
                 )
-            elif not isinstance(detail, BrokerConnectionLost) and not self.refused_own(detail):
+            elif not isinstance(detail, BrokerConnectionLost) and not self.refusals.own(detail):
                 failure = f"{outcome.value} {detail or ''}".rstrip()
                 self.reject(delivery, f"{park.reason}; and parking it failed: {failure}")
 
@@ -187,7 +265,7 @@ class Detours:
             self.publisher.publish(
                 LADDER_LANE,
                 "",
-                self.parked_queue,
+                parked_queue,
                 delivery.body,
                 properties,
                 self.guarded(delivery, parked),
@@ -197,52 +275,72 @@ class Detours:
         except (ValueError, TypeError) as error:
             self.reject(delivery, f"{park.reason}; and parking it failed: {error}")
 
-    def _journal_parked(self, delivery: amqp.Delivery, park: Park) -> None:
-        """Journal a parked message (one without a readable envelope has no id to find)."""
+    def _parked(self, delivery: amqp.Delivery, park: Park, target: str) -> None:
+        """The parked copy is confirmed: ack the delivery, count it, journal it, say it."""
+        self.stats.record_parked(park.kind)
+        self.acker.done(delivery.delivery_tag)
         headers = delivery.properties.headers if delivery.properties is not None else None
-        try:
+        try:  # one without a readable envelope has no id to find in the journal
             envelope = Envelope.from_headers(headers)
         except EnvelopeError:
-            return
-        self.journal.add(parked_record(envelope, len(delivery.body), self.clock(), park.reason))
-
-    def not_published(
-        self, delivery: amqp.Delivery, what: str, outcome: amqp.Outcome, detail: Any
-    ) -> None:
-        """A publish (``what``) the broker refused: park it with the broker's refusal."""
-        if isinstance(detail, BrokerConnectionLost) or self.refused_own(detail):
-            return
-        reason = f"the broker refused the {what}: {outcome.value} {detail or ''}".rstrip()
-        self.park(delivery, Park(reason, ParkKind.REFUSED))
-
-    def refused_own(self, detail: Any) -> bool:
-        """Whether a publish to the prefix's own queues (a hop, parking) was refused for
-        want of a permission (403): then the session ends and the relay exits, the
-        delivery left unacked (the broker delivers it again), rather than park every
-        message for ever."""
-        if not isinstance(detail, ChannelClosedError) or detail.reply_code != 403:
-            return False
-        if not self.refused.done():
-            refusal = f"the broker refused ({detail}): this needs write permission on amq.default"
-            self.refused.set_result(self.access_refused(refusal + " (hops and parking)"))
-        return True
+            pass
+        else:
+            self.journal.add(parked_record(envelope, len(delivery.body), self.clock(), park.reason))
+        if park.kind in NOTICED:
+            self.notices.note_parked(self.publisher, schedule_id(delivery), park.kind)
+        if self.stats.first_problem(target, f"parked ({park.kind})"):
+            log.warning(
+                "parked a message for %s (schedule id %s): %s",
+                target,
+                schedule_id(delivery),
+                park.reason,
+            )
 
     def reject(self, delivery: amqp.Delivery, reason: str) -> None:
         """The last resort: the broker dead-letters it into the parking queue."""
         self.stats.record_rejected()
         self.acker.rejected(delivery.delivery_tag)
         # its dead-lettered copy carries no reason: say it in the stream (parked list)
-        self.cancel_reader.note_parked(self.publisher, schedule_id(delivery), "handed_back", reason)
+        self.notices.note_parked(self.publisher, schedule_id(delivery), "handed_back", reason)
         log.error(
             "could not park a message (schedule id %s): %s; handed back to %s to "
             "dead-letter into %s",
             schedule_id(delivery),
             reason,
-            self.relay_queue,
-            self.parked_queue,
+            self.topology.relay_queue,
+            self.topology.parked_queue,
         )
 
-    # --- trying again later ------------------------------------------------------------
+
+class Retries:
+    """Deliveries tried again later: a hop its step queue nacked or left silent, one a
+    step returned early. Each goes through ``guard`` (a bug parks that one delivery);
+    a retry after the connection closed does nothing (the delivery is unacked: the
+    broker delivers it again).
+
+    Args:
+        stats: the relay's counters.
+        avoided: steps whose queues nacked lately (routed around by the decision).
+        clock: the time now, µs since the epoch.
+        connection_closed: the session's connection's closed future.
+        guard: runs a delivery's work, parking it if that fails (``Parking.guarded_call``).
+    """
+
+    def __init__(
+        self,
+        *,
+        stats: RelayStats,
+        avoided: AvoidedSteps,
+        clock: Callable[[], int],
+        connection_closed: asyncio.Future[Any],
+        guard: Callable[[amqp.Delivery, Callable[[], None]], None],
+    ) -> None:
+        self.stats = stats
+        self.avoided = avoided
+        self.clock = clock
+        self.connection_closed = connection_closed
+        self.guard = guard
+        self.waiting = 0  # deliveries that came back early, waiting to be routed anew
 
     def hop_nacked(
         self,
@@ -301,8 +399,9 @@ class Detours:
             if not self.connection_closed.done():  # else unacked: delivered again
                 route_again()
 
+        wait_s = wait.wait_us / 1_000_000
         asyncio.get_running_loop().call_later(
-            wait.wait_us / 1_000_000, functools.partial(self.guarded_call, delivery, again)
+            wait_s, functools.partial(self.guard, delivery, again)
         )
 
     def _later(self, delivery: amqp.Delivery, wait_s: float, work: Callable[[], None]) -> None:
@@ -311,24 +410,8 @@ class Detours:
                 work()
 
         asyncio.get_running_loop().call_later(
-            wait_s, functools.partial(self.guarded_call, delivery, later)
+            wait_s, functools.partial(self.guard, delivery, later)
         )
-
-    def redeclare(self, queue: str, then: Callable[[], None]) -> None:
-        """Declare ``queue`` again (deleted at runtime: an operator, an ``expires``
-        policy), then run ``then``; one declare at a time per queue."""
-        pending = self._redeclaring.get(queue)
-        if pending is None:
-            log.warning("queue %s is missing; declaring it again", queue)
-            pending = asyncio.ensure_future(self.declare([queue]))
-            self._redeclaring[queue] = pending
-            pending.add_done_callback(functools.partial(self._redeclared, queue))
-        pending.add_done_callback(lambda _: then())
-
-    def _redeclared(self, queue: str, declared: asyncio.Future[None]) -> None:
-        self._redeclaring.pop(queue, None)
-        if not declared.cancelled() and (error := declared.exception()) is not None:
-            log.warning("declaring %s again failed (%s)", queue, error)  # then: parked
 
 
 def schedule_id(delivery: amqp.Delivery) -> str:

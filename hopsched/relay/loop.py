@@ -30,7 +30,6 @@ from pamqp import commands
 from hopsched import amqp
 from hopsched.amqp.acks import Acker
 from hopsched.amqp.publisher import LADDER_LANE, Publisher, target_lane
-from hopsched.broker.objects import declare_topology
 from hopsched.broker.policy_watch import PolicyWatch
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
 from hopsched.core.cancel import CANCEL, Cancellations
@@ -73,7 +72,14 @@ from hopsched.journal.records import (
 )
 from hopsched.journal.stream import JournalWriter
 from hopsched.relay.broker_clock import BrokerClock
-from hopsched.relay.detours import HOP_NACK_WAITS_S, Detours, Outcome
+from hopsched.relay.detours import (
+    HOP_NACK_WAITS_S,
+    Declarer,
+    Outcome,
+    Parking,
+    Refusals,
+    Retries,
+)
 from hopsched.relay.holds import Holds
 from hopsched.relay.hop_timing import HopTiming
 from hopsched.relay.new_prefix import new_prefix_warning
@@ -405,10 +411,13 @@ class _Session:
     """One connection's worth of relaying. Each delivery goes consume (``_received``) →
     decide (``_route``) → publish (``_hop``, or ``_hold`` until due then ``_deliver``) →
     ack (in the publish's confirm). What cannot go that way (parking, a nacked hop tried
-    again, a step that returned it early, a queue to declare again) is ``Detours``'."""
+    again, a step that returned it early, a queue to declare again) is for the small
+    handlers of ``hopsched.relay.detours``: ``Parking``, ``Retries``, ``Declarer`` and
+    ``Refusals``."""
 
     acker: Acker  # once consuming
-    detours: Detours
+    parking: Parking
+    retries: Retries
 
     def __init__(self, relay: Relay, connection: amqp.Connection) -> None:
         self.relay = relay
@@ -444,11 +453,9 @@ class _Session:
         self.held_limit = max(1, prefetch - max(1, prefetch // 10))
         self.held_bytes_limit = self.settings.hold_memory_mb * 2**20
         self.held_by_id: dict[str, list[_Final]] = {}
-        # set on a 403 for the prefix's own objects: the session ends, the relay exits
-        self.refused: asyncio.Future[AccessRefusedError] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self.torn_down = False  # the prefix was torn down: declare nothing again
+        # a 403 for the prefix's own objects: the session ends, the relay exits
+        self.refusals = Refusals(self.topology, self.settings)
+        self.declarer = Declarer(self.settings, relay._connector.url)
 
     # --- the session's life ----------------------------------------------------------
 
@@ -485,7 +492,7 @@ class _Session:
                 raise channel.closed.result()
             if "refused" in reasons:
                 self.holds.cancel()  # unacked: back in the queue once the connection closes
-                raise self.refused.result()
+                raise self.refusals.future.result()
             if "stop" in reasons:
                 break
             if await self._missing(topology.cancel_stream):
@@ -505,7 +512,7 @@ class _Session:
                 len(self.holds),
             )
             cancelled.clear()
-            await self._declare()
+            await self.declarer.declare()
             for tag in tags:  # the other consumer may be there still
                 with contextlib.suppress(ChannelClosedError):
                     await channel.cancel(tag)
@@ -517,7 +524,7 @@ class _Session:
     async def _start(self) -> tuple[amqp.Channel, asyncio.Future[Any]]:
         """Declare the topology, follow the cancel stream, open the consuming channel."""
         new = await self._missing(self.topology.relay_queue)
-        await self._declare()
+        await self.declarer.declare()
         if new:
             log.warning("%s", new_prefix_warning(self.topology, self.settings.masked_url))
         try:
@@ -525,24 +532,27 @@ class _Session:
                 self.connection, self.publisher, self._record_read
             )
         except AccessRefusedError as error:
-            raise self._access_refused(str(error)) from None
+            raise self.refusals.error(str(error)) from None
         channel = await self.connection.channel()
         await channel.qos(self.settings.prefetch)
         self.acker = Acker(channel)
-        self.detours = Detours(
+        self.parking = Parking(
             publisher=self.publisher,
             acker=self.acker,
+            topology=self.topology,
             stats=self.stats,
-            cancel_reader=self.relay.cancel_reader,
-            parked_queue=self.topology.parked_queue,
-            relay_queue=self.topology.relay_queue,
+            notices=self.relay.cancel_reader,
+            journal=self.journal,
+            clock=self.clock,
+            declarer=self.declarer,
+            refusals=self.refusals,
+        )
+        self.retries = Retries(
+            stats=self.stats,
+            avoided=self.relay.avoided,
             clock=self.clock,
             connection_closed=self.connection.closed,
-            declare=self._declare,
-            refused=self.refused,
-            access_refused=self._access_refused,
-            avoided=self.relay.avoided,
-            journal=self.journal,
+            guard=self.parking.guarded_call,
         )
         return channel, lost_stream
 
@@ -557,19 +567,12 @@ class _Session:
             asyncio.ensure_future(asyncio.shield(self.connection.closed)): "lost",
             asyncio.ensure_future(asyncio.shield(channel.closed)): "lost",
             asyncio.ensure_future(asyncio.shield(lost_stream)): "stream",
-            asyncio.ensure_future(asyncio.shield(self.refused)): "refused",
+            asyncio.ensure_future(asyncio.shield(self.refusals.future)): "refused",
         }
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
         return {waits[task] for task in done}
-
-    async def _declare(self, names: list[str] | None = None) -> None:
-        """Declare the topology (or ``names``) on the node this session is on, if it
-        answers; nothing once the prefix was torn down."""
-        if self.torn_down:
-            return
-        await declare_topology(self.settings, names, first=self.relay._connector.url)
 
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
         """Consume ``{prefix}.relay`` and ``{prefix}.ingress`` on ``channel``; their tags."""
@@ -603,7 +606,7 @@ class _Session:
             except ChannelClosedError as error:
                 if error.reply_code == 403:
                     refusal = f"the broker refused ({error}): this needs read permission on "
-                    raise self._access_refused(refusal + queue) from None
+                    raise self.refusals.error(refusal + queue) from None
                 raise
         return tags
 
@@ -624,7 +627,7 @@ class _Session:
         """The prefix's cancel stream is gone: a teardown (``hopsched teardown`` deletes
         it first) or an operator. The relay stops rather than declare the prefix again
         behind the teardown's back; it declares nothing more meanwhile."""
-        self.torn_down = True
+        self.declarer.torn_down = True
         relay, topology = self.relay, self.topology
         if not relay._stopping.is_set():
             relay._stop_by = time.monotonic() + relay._shutdown_timeout_s
@@ -645,16 +648,6 @@ class _Session:
         log.error("%s", text)
         return PrefixNotDeclaredError(
             text, prefix=self.settings.prefix, queue=topology.cancel_stream
-        )
-
-    def _access_refused(self, refusal: str) -> AccessRefusedError:
-        """A 403 on one of the prefix's own objects (``refusal`` names the permission):
-        the grant to give, and the command that gives it."""
-        grant = self.topology.permissions("relay").command(self.settings.login, self.settings.vhost)
-        return AccessRefusedError(
-            f"{self.topology.prefix}'s relay, user {self.settings.login!r}: {refusal}. Give "
-            f"it the relay's grant (`hopsched permissions --prefix {self.settings.prefix} "
-            f"--role relay`, with --target-exchange for each target exchange): {grant}"
         )
 
     def _record_read(self, schedule_id: str) -> None:
@@ -681,18 +674,18 @@ class _Session:
     def _received(self, delivery: amqp.Delivery) -> None:
         """Consume: a delivery from ``{prefix}.relay``, in the read that brought it."""
         self.acker.received(delivery.delivery_tag)
-        self.detours.guarded_call(delivery, self._route, delivery)  # no closure per delivery
+        self.parking.guarded_call(delivery, self._route, delivery)  # no closure per delivery
 
     def _ingested(self, delivery: amqp.Delivery) -> None:
         """Consume: a delivery from ``{prefix}.ingress`` (``hopsched.core.ingress``): made a
         scheduled message, then routed as one (acked once its hop or delivery is
         confirmed); what cannot be scheduled is parked."""
         self.acker.received(delivery.delivery_tag)
-        self.detours.guarded_call(delivery, self._ingest, delivery)
+        self.parking.guarded_call(delivery, self._ingest, delivery)
 
     def _ingest(self, delivery: amqp.Delivery) -> None:
         if delivery.properties is None:
-            self.detours.park_as_is(delivery)
+            self.parking.park_as_is(delivery)
             return
         now = self.clock()
         ingested = ingest(
@@ -704,7 +697,7 @@ class _Session:
         )
         if isinstance(ingested, NotIngested):
             delivery.properties = ingested.properties  # names it in parking
-            self.detours.park(delivery, Park(ingested.reason, ParkKind.MALFORMED))
+            self.parking.park(delivery, Park(ingested.reason, ParkKind.MALFORMED))
             return
         if not ingested.stamped and not self.stats.ingested_unstamped:
             log.info(
@@ -718,7 +711,7 @@ class _Session:
         try:
             encoded = ingested.properties.encode()
         except (ValueError, TypeError) as error:
-            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.parking.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         self.journal.add(ingested_record(ingested.envelope, encoded, delivery.body, now))
         self._route(delivery, again=True)
@@ -736,7 +729,7 @@ class _Session:
             if outcome is amqp.Outcome.ACK:
                 self.acker.done(delivery.delivery_tag)
             else:
-                self.detours.not_published(
+                self.parking.not_published(
                     delivery, f"ingress to {topology.relay_queue}", outcome, detail
                 )
 
@@ -756,7 +749,7 @@ class _Session:
         ``{prefix}.ingress`` is never held from there (``_enqueue``)."""
         properties = delivery.properties
         if properties is None:
-            self.detours.park_as_is(delivery)
+            self.parking.park_as_is(delivery)
             return
         headers: Mapping[str, Any] = properties.headers or {}
         if not nacks and not again:  # its x-death time first: the clock's offset, if new
@@ -778,7 +771,7 @@ class _Session:
             headers,
             properties.user_id,
             now,
-            crowded=len(self.holds) + self.detours.waiting >= self.held_limit
+            crowded=len(self.holds) + self.retries.waiting >= self.held_limit
             or self.held_bytes >= self.held_bytes_limit,
             margin_ms=self.relay.overshoot.margin_ms(
                 now, floor_ms=ladder.hop_margin_ms, cap_ms=ladder.hold_window_ms
@@ -790,9 +783,9 @@ class _Session:
         )
         if isinstance(decision, Wait):
             route_again = functools.partial(self._route, delivery, again=True)
-            self.detours.returned_early(delivery, decision, route_again)
+            self.retries.returned_early(delivery, decision, route_again)
         elif isinstance(decision, Park):
-            self.detours.park(delivery, decision)
+            self.parking.park(delivery, decision)
         elif isinstance(decision, Cancel):
             if decision.superseded:
                 self._superseded(decision.envelope, delivery.delivery_tag)
@@ -820,7 +813,7 @@ class _Session:
         try:
             final = _Final(delivery, envelope, now)
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.parking.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         self._hold(final)
 
@@ -883,13 +876,13 @@ class _Session:
                 routing_key,
                 delivery.body,
                 properties,
-                self.detours.guarded(delivery, outcome),
+                self.parking.guarded(delivery, outcome),
                 silence_s=silence_s,
             )
         except BrokerConnectionLost:
             pass  # unacked: the broker delivers it again after the reconnect
         except (ValueError, TypeError) as error:  # too large, or a value pamqp cannot write
-            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.parking.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
 
     def _hop(
         self,
@@ -913,7 +906,7 @@ class _Session:
                 properties = hop_properties(delivery.properties, envelope, expires)
             encoded = properties.encode()
         except (ValueError, TypeError) as error:
-            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.parking.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
         queue = self.topology.step_queue(step_ms)
 
@@ -931,16 +924,16 @@ class _Session:
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
                 # The step queue is gone (an operator, an expires policy): declare it again.
-                self.detours.redeclare(
+                self.declarer.redeclare(
                     queue,
                     lambda: self._hop(delivery, envelope, step_ms, retry=retry, redeclared=True),
                 )
             elif outcome is amqp.Outcome.NACK and nacks < len(HOP_NACK_WAITS_S):
-                self.detours.hop_nacked(delivery, step_ms, queue, nacks, again)
+                self.retries.hop_nacked(delivery, step_ms, queue, nacks, again)
             elif outcome is amqp.Outcome.SILENT:
-                self.detours.hop_silent(delivery, step_ms, queue, detail, again)
+                self.retries.hop_silent(delivery, step_ms, queue, detail, again)
             else:
-                self.detours.not_published(delivery, f"hop to {queue}", outcome, detail)
+                self.parking.not_published(delivery, f"hop to {queue}", outcome, detail)
 
         # A retry hop goes to its step whatever the step does: no silence to act on.
         silence_s = None if retry else STEP_SILENCE_S
@@ -966,23 +959,23 @@ class _Session:
                 self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
-                self.detours.park(delivery, Park(reason, ParkKind.UNROUTABLE))
+                self.parking.park(delivery, Park(reason, ParkKind.UNROUTABLE))
             elif outcome is amqp.Outcome.NACK:
                 refusal = f"the broker refused the publish to {target} (basic.nack: a full queue"
                 refusal += " with x-overflow=reject-publish, or an unavailable one)"
                 decision = self.relay.decider.after_refusal(envelope, now, refusal)
                 if isinstance(decision, Park):
-                    self.detours.park(delivery, decision)
+                    self.parking.park(delivery, decision)
                     return
                 if self.stats.first_problem(target, "refused: trying again after a back-off"):
                     log.warning("%s; trying again in %d ms", refusal, decision.step_ms)
                 self._hop(delivery, envelope, decision.step_ms, retry=True)
             elif isinstance(detail, ChannelClosedError):
                 park = Park(_refused(detail, envelope.exchange), ParkKind.REFUSED)
-                self.detours.park(delivery, park)
+                self.parking.park(delivery, park)
             elif not isinstance(detail, BrokerConnectionLost):  # never left unsettled
                 park = Park(f"cannot publish it: {detail!r}", ParkKind.REFUSED)
-                self.detours.park(delivery, park)
+                self.parking.park(delivery, park)
             # else: the connection is gone; unacked, the broker delivers it again
 
         self._publish(
@@ -1009,7 +1002,7 @@ class _Session:
             final.envelope, delivery.body, now, self.relay.cancellations
         )
         if isinstance(linked, Park):
-            self.detours.park(delivery, linked)
+            self.parking.park(delivery, linked)
             return
         if isinstance(linked, Cancel):  # a copy of a lineage replaced
             self._superseded(linked.envelope, tag)
@@ -1031,7 +1024,7 @@ class _Session:
                 this = _Final(delivery, linked.deliver, final.arrived_us)
             except (ValueError, TypeError) as error:
                 park = Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE)
-                self.detours.park(delivery, park)
+                self.parking.park(delivery, park)
                 return
             self._deliver(this)
 
@@ -1049,7 +1042,7 @@ class _Session:
         try:
             encoded = next_occurrence_properties(original, linked.next, expires).encode()
         except (ValueError, TypeError) as error:
-            self.detours.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
+            self.parking.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
 
         def scheduled(outcome: amqp.Outcome, detail: Any) -> None:
@@ -1060,7 +1053,7 @@ class _Session:
                 self.journal.add(record)
                 deliver()
             else:
-                self.detours.not_published(delivery, f"next occurrence to {queue}", outcome, detail)
+                self.parking.not_published(delivery, f"next occurrence to {queue}", outcome, detail)
 
         self._publish(LADDER_LANE, exchange, routing_key, delivery, encoded, scheduled)
 
@@ -1101,7 +1094,7 @@ class _Session:
 
         with contextlib.suppress(BrokerConnectionLost):  # unacked: delivered again
             self.relay.cancel_reader.claim(
-                self.publisher, record, self.detours.guarded(delivery, claimed)
+                self.publisher, record, self.parking.guarded(delivery, claimed)
             )
 
     def _superseded(self, envelope: Envelope, tag: int) -> None:
