@@ -32,7 +32,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench_* helper modules
 
 from bench_ladder import ladder_name, parse_ladder
-from bench_measure import use_rabbitmqctl
+from bench_measure import use_broker_cpu, use_rabbitmqctl
 from bench_report import (
     burst_table,
     decade_table,
@@ -232,10 +232,12 @@ async def _main_private_node(options: dict[str, Any]) -> dict[str, Any]:
     [installation] = options["installations"]
     async with private_node(installation=installation, **_private_options(options)) as node:
         use_rabbitmqctl(node.rabbitmqctl_command)
+        use_broker_cpu(node.cpu_seconds)
         try:
             result = await _main_on(node.url, options)
         finally:
             use_rabbitmqctl(None)
+            use_broker_cpu(None)
         label = f"RabbitMQ {installation.version}"
         result["machine"]["note"] = (
             f"a private RabbitMQ node ({label}), relay and load generator share this "
@@ -366,6 +368,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
             node = broker.nodes[0] if isinstance(broker, PrivateCluster) else broker
             brokers[label] = await _broker(broker.url) | {"plugins": await _node_plugins(node)}
             use_rabbitmqctl(node.rabbitmqctl_command)  # its queue depths, not another node's
+            use_broker_cpu(broker.cpu_seconds)  # every node's, on a cluster
             try:
                 got, got_runs = await run_strategies(
                     broker.url,
@@ -377,6 +380,7 @@ async def _main_private(options: dict[str, Any]) -> dict[str, Any]:
                 )
             finally:
                 use_rabbitmqctl(None)
+                use_broker_cpu(None)
             memory[label] = broker.rss_bytes()
         rows |= {f"{name} ({label})": row for name, row in got.items()}
         runs |= {f"{name} ({label})": run for name, run in got_runs.items()}

@@ -45,6 +45,8 @@ _COLUMNS = [
     ("relay_cpu_us_per_relayed_msg", "relay CPU µs/msg"),
     ("relay_cpu_us_per_delivered_msg", "relay CPU µs/delivered"),
     ("scheduler_cpu_us_per_msg", "sched CPU µs/msg"),
+    ("broker_cpu_us_per_msg", "broker CPU µs/msg"),
+    ("total_cpu_us_per_msg", "total CPU µs/msg"),
     ("process_peak_rss_mb", "proc peak RSS MB"),
     ("bench_loop_lag_p99_ms", "bench lag p99 ms"),
 ]
@@ -64,6 +66,8 @@ _BURST_COLUMNS = [
     ("schedule_s", "scheduling s"),
     ("relay_cpu_us_per_relayed_msg", "relay CPU µs/msg"),
     ("scheduler_cpu_us_per_msg", "sched CPU µs/msg"),
+    ("broker_cpu_us_per_msg", "broker CPU µs/msg"),
+    ("total_cpu_us_per_msg", "total CPU µs/msg"),
     ("process_peak_rss_mb", "proc peak RSS MB"),
 ]
 

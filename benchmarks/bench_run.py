@@ -17,6 +17,7 @@ from typing import IO, Any
 from bench_consumer import READY, parse_line
 from bench_measure import (
     MAX_IN_FLIGHT,
+    BrokerCpu,
     CallCpu,
     Collector,
     Delivery,
@@ -255,9 +256,11 @@ async def _outcome(
     pending: int,
     cpu_before: float,
     schedule_cpu: CallCpu,
+    broker_cpu: BrokerCpu | None,
 ) -> dict[str, Any]:
     """The summary fields every workload has: counts, lateness, publishes per message,
-    the strategy's process; for hopsched, CPU per relayed message and per schedule."""
+    the strategy's process; for hopsched, CPU per relayed message and per schedule; CPU
+    per delivered message of the producer, the broker (on a private node) and in all."""
     strategy = session.strategy
     delivered = list(collector.deliveries.values())
     in_broker = None
@@ -301,9 +304,38 @@ async def _outcome(
         )
         summary["scheduler_cpu_s"] = round(schedule_cpu.cpu_s, 3)
         summary["scheduler_cpu_us_per_msg"] = schedule_cpu.us_per_call()
+    summary.update(_cpu_per_message(summary, schedule_cpu, broker_cpu, len(delivered)))
     if failures:
         summary["schedule_failure_examples"] = failures[:5]
     return summary
+
+
+def _cpu_per_message(
+    summary: dict[str, Any], producer: CallCpu, broker: BrokerCpu | None, delivered: int
+) -> dict[str, Any]:
+    """CPU µs per delivered message: the producer's calls (an upper bound: ``CallCpu``),
+    the strategy's process (hopsched's relay; none for the plugin and the floor), the
+    broker's (less idle) and their total. The broker's and the total only where the
+    broker's CPU can be told (a private node)."""
+    if not delivered:
+        return {}
+    fields: dict[str, Any] = {
+        "producer_cpu_us_per_msg": round(producer.cpu_s * 1e6 / delivered, 1),
+        "process_cpu_us_per_delivered_msg": (
+            None
+            if summary.get("process_cpu_s") is None
+            else round(summary["process_cpu_s"] * 1e6 / delivered, 1)
+        ),
+    }
+    if broker is not None:
+        fields.update(broker.fields(delivered))
+        fields["total_cpu_us_per_msg"] = round(
+            fields["producer_cpu_us_per_msg"]
+            + (fields["process_cpu_us_per_delivered_msg"] or 0.0)
+            + (fields["broker_cpu_us_per_msg"] or 0.0),
+            1,
+        )
+    return fields
 
 
 async def run_workload(
@@ -324,6 +356,7 @@ async def run_workload(
     collector = Collector(set(ids), awaited=len(short_delays))
     session.collector = collector
     body = b"x" * workload.payload_bytes
+    broker_cpu = await BrokerCpu.start()
     cpu_before = session.process_cpu_s()
     loop = asyncio.get_running_loop()
     pipeline = Pipeline(MAX_IN_FLIGHT)
@@ -378,6 +411,7 @@ async def run_workload(
         pending=sum(1 for i in long_ids if i not in collector.deliveries),
         cpu_before=cpu_before,
         schedule_cpu=schedule_cpu,
+        broker_cpu=broker_cpu,
     )
     # Messages due once publishing has ended: what a steady stream would see, without
     # the publishing burst competing for the same two cores.
@@ -441,6 +475,7 @@ async def run_burst(
     ids = [f"{tag}-{index}" for index in range(count)]
     collector = Collector(set(ids), awaited=count)
     session.collector = collector
+    broker_cpu = await BrokerCpu.start()
     cpu_before = session.process_cpu_s()
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -476,6 +511,7 @@ async def run_burst(
         pending=0,
         cpu_before=cpu_before,
         schedule_cpu=schedule_cpu,
+        broker_cpu=broker_cpu,
     )
     received = [d.received_us for d in collector.deliveries.values()]
     spread_s = (max(received) - min(received)) / 1e6 if received else 0.0

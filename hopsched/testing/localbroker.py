@@ -443,6 +443,20 @@ class PrivateBroker:
             pass
         return 0
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the node's Erlang VM has used since it started (user and system,
+        from ``/proc/PID/stat``), s; 0.0 when not running. For benchmarks: read it before
+        and after a workload for the broker's own cost."""
+        if self.pid is None or not _alive(self.pid):
+            return 0.0
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return 0.0
+        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        utime, stime = int(fields[11]), int(fields[12])  # stat(5) fields 14 and 15, in ticks
+        return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
     def log(self) -> str:
         """The node's log so far (all starts)."""
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
@@ -776,6 +790,10 @@ class PrivateCluster:
     def rss_bytes(self) -> int:
         """The resident memory of every running node together, bytes."""
         return sum(node.rss_bytes() for node in self.nodes)
+
+    def cpu_seconds(self) -> float:
+        """The CPU time of every running node together, s (``PrivateBroker.cpu_seconds``)."""
+        return sum(node.cpu_seconds() for node in self.nodes)
 
     async def save_ra_directories(self) -> None:
         """``save_ra_directory()`` on every running node: call it after creating a
