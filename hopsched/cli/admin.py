@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+import aiormq
 import click
 
 from hopsched.broker import objects
@@ -23,10 +24,8 @@ from hopsched.cli.common import (
 )
 from hopsched.cli.policies import unprotect_quietly
 from hopsched.connect import connect
-from hopsched.errors import (
-    PrefixNotDeclaredError,
-)
-from hopsched.topology import ROLES, QueueDepth, Role, Topology
+from hopsched.errors import HopschedError, PrefixNotDeclaredError
+from hopsched.topology import ROLES, QueueDepth, Role, Topology, teardown_refusal
 
 
 @click.command()
@@ -79,8 +78,10 @@ def teardown(
     """Delete the prefix's queues and exchange, printing each as it goes; refuses (exit 1)
     while a queue holds messages or has consumers, unless --force. With --force it counts
     what it deletes: the ready messages, and what consumers (a running relay) held, from
-    the management API. Exit 4 if nothing of the prefix exists. Interrupted, run it
-    again: it removes what is left."""
+    the management API. An ingress's due exchange that consumers' queues are still bound
+    to stays, as `ingress remove` leaves it (exit 1 after the rest), unless --force.
+    Exit 4 if nothing of the prefix exists. Interrupted, run it again: it removes what is
+    left."""
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
     topology = Topology.from_settings(settings)
     apis = management_urls(settings, management_url)
@@ -98,15 +99,39 @@ def teardown(
             ingresses = []
         connection = await connect(settings)
         async with connection:
+            if ingresses and not force:  # the queues' refusal first, before any delete
+                depths = await objects.inspect(topology, connection, check_arguments=False)
+                refusal = teardown_refusal(depths, topology.records, topology.holding_queues)
+                if refusal is not None:
+                    raise HopschedError(refusal)
+            channel = await connection.channel()
+            dues: list[str] = []
+            bound: list[str] = []
+            for each in ingresses:  # as `ingress remove`: consumers' bindings stay theirs
+                due = topology.due_exchange(each.exchange)
+                try:
+                    await channel.exchange_delete(due, if_unused=not force)
+                except aiormq.exceptions.ChannelPreconditionFailed:
+                    bound.append(due)
+                    channel = await connection.channel()  # the 406 closed that one
+                    continue
+                dues.append(due)
+                removed(f"removed {due}", 0)
+            if bound:
+                raise HopschedError(
+                    f"not removed: {', '.join(bound)} still bound (consumers' queues wait "
+                    "for the x-delay messages through it), so nothing else either"
+                    + (f" but the unused {', '.join(dues)}" if dues else "")
+                    + ". Unbind them, or use --force"
+                )
             done = await objects.teardown(
                 topology, connection, force=force, count_held=count_held, progress=removed
             )
-            channel = await connection.channel()
+            done.removed += dues
             for each in ingresses:  # their exchanges, now that nothing routes into them
-                for name in (each.exchange, topology.due_exchange(each.exchange)):
-                    await channel.exchange_delete(name)
-                    done.removed.append(name)
-                    removed(f"removed {name}", 0)
+                await channel.exchange_delete(each.exchange)
+                done.removed.append(each.exchange)
+                removed(f"removed {each.exchange}", 0)
             return done
 
     done: Teardown = run(go(), settings)

@@ -335,6 +335,46 @@ async def test_the_cli_replaces_an_exchange_of_that_name_with_the_consumers_boun
     assert f"removed exchange {exchange}" in out
 
 
+async def test_teardown_keeps_a_due_exchange_consumers_are_bound_to_as_ingress_remove_does(
+    make_settings: Any, targets: Targets, cleanup: Cleanup
+) -> None:
+    """Without --force, `teardown` refuses as `ingress remove` does while a consumer's
+    queue is bound to an ingress's due exchange, and removes nothing else (a rerun finds
+    the ingresses again); with --force it removes it all (before: the bound due exchange
+    went without a word)."""
+    settings = make_settings()
+    exchange = f"{settings.prefix}-orders"
+    due = f"{settings.prefix}.due.{exchange}"
+    cleanup.exchanges.update({exchange, due})
+    target = await targets.queue()
+    status, _, err = await hopsched_cli("declare", settings=settings)
+    assert status == 0, err
+    status, _, err = await hopsched_cli(
+        "ingress",
+        "declare",
+        exchange,
+        "--type",
+        "direct",
+        "--bind",
+        f"{target.name}:k",
+        settings=settings,
+    )
+    assert status == 0, err
+
+    status, out, err = await hopsched_cli("teardown", settings=settings)
+    assert status == 1, (out, err)
+    assert f"not removed: {due} still bound" in err
+    assert "--force" in err
+    status, out, _ = await hopsched_cli("ingress", "list", settings=settings)
+    assert (status, out) == (0, f"{exchange} (direct) -> {due}\n")  # nothing removed
+
+    status, out, err = await hopsched_cli("teardown", "--force", settings=settings)
+    assert status == 0, err
+    assert f"removed {due}" in out
+    assert f"removed {exchange}" in out
+    assert f"removed {settings.prefix}.relay" in out
+
+
 #: rabbitmq.conf's line for the broker's receipt stamp (RabbitMQ >= 3.12).
 STAMP_CONFIG = "message_interceptors.incoming.set_header_timestamp.overwrite = false"
 
