@@ -26,6 +26,17 @@ from hopsched.core.envelope import HEADER_DUE, HEADER_HOPS, HEADER_ID
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "accuracy.py"
+#: A tiny run takes seconds; one beside other work at load 12 took over 120 s. Below
+#: pytest's timeout (300 s), so a hung run fails here, with its output.
+RUN_TIMEOUT_S = 270
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+
+
 FIELDS = (
     "scheduled",
     "delivered",
@@ -105,7 +116,7 @@ def test_tiny_quick_run_writes_json_table_and_plots(broker_url: str, tmp_path: P
         "--strategies", "hopsched-quorum,per-message-ttl,delayed-exchange",
         "--url", broker_url, "--json", str(out), "--plot", str(plots),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    result = _run(command)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["broker"]["version"]
@@ -152,7 +163,7 @@ def test_tiny_ingress_run_measures_lateness_relay_cpu_and_publish_throughput(
         "--publish-throughput", "60", "--producers", "3", "--producer-in-flight", "5",
         "--url", broker_url, "--json", str(out),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    result = _run(command)
     assert result.returncode == 0, result.stderr[-3000:]
     strategies = json.loads(out.read_text())["strategies"]
     row = strategies["hopsched-ingress"]
@@ -189,7 +200,7 @@ def test_tiny_burst_run_reports_first_and_last_delivery(broker_url: str, tmp_pat
         "--strategies", "hopsched-quorum,delayed-exchange,broker-floor",
         "--hopsched-path", str(checkout), "--url", broker_url, "--json", str(out),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    result = _run(command)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["hopsched"]["path"] == str(checkout.resolve())
@@ -310,7 +321,7 @@ def test_a_burst_on_a_private_node_with_a_plugin_from_another_directory(tmp_path
         "--burst-counts", "50", "--burst-lead", "1s",
         "--strategies", "delayed-exchange,broker-floor", "--json", str(out),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    result = _run(command)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     [broker] = report["brokers"].values()
@@ -348,7 +359,7 @@ def test_a_tiny_run_per_ladder_gives_the_relay_and_the_scheduler_that_ladder(
         "--strategies", "hopsched-quorum", "--ladder", "default", "--ladder", "step_ratio=4",
         "--url", broker_url, "--json", str(out),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    result = _run(command)
     assert result.returncode == 0, result.stderr[-3000:]
     strategies = json.loads(out.read_text())["strategies"]
     assert set(strategies) == {"hopsched-quorum", "hopsched-quorum/ratio4"}
