@@ -17,20 +17,13 @@
 
 Keeping a queue in use (what resets an ``expires`` lease, measured on RabbitMQ 3.10.8
 and 4.0.5): for a classic queue, a passive ``queue.declare``; a quorum queue only counts a
-consumer or a ``basic.get`` (``rabbit_fifo``'s ``last_active``), and stays in use while a
-message got is unacknowledged (a 3 s lease outlived 10 s). So a quorum step queue gets a
-``basic.get``: an empty one is renewed; a message got (its head, due to expire first) is
-kept unacknowledged, which keeps the queue in use, and rejected (``requeue=false``) at
-the end of its TTL, when the broker dead-letters it into ``{prefix}.relay`` as its TTL
-would have (``HELD_AT_MOST_S`` at most: then earlier, and the relay waits it out as any
-early return). Returned to the queue instead (``requeue=true``), a message got every
-2 s left the ladder's TTLs late by up to 8 s on RabbitMQ 3.10.8 (5,000 messages at
-500/s, 10 ms-60 s: p99.9 lateness 3.5 s against 99 ms without the touches, twice the
-hops), and on 4.x each return counts towards the delivery limit. The quorum parking
-queue moves the message it got to its tail (published with a confirm, then acked: a
-return counts towards its delivery limit, past which it drops the message). The relay
-consumes ``{prefix}.relay`` and ``{prefix}.ingress``, and a stream ignores ``expires``:
-none of them is touched.
+consumer or a ``basic.get`` (``rabbit_fifo``'s ``last_active``). So a quorum step queue
+gets a ``basic.get``: an empty one is renewed, a message got is returned to it
+(``requeue=true``), where its TTL runs on (a reject would pull it out of the ladder into
+the relay every few seconds); the quorum parking queue moves the message it got to its
+tail (published with a confirm, then acked: a return counts towards its delivery limit,
+past which it drops the message). The relay consumes ``{prefix}.relay`` and
+``{prefix}.ingress``, and a stream ignores ``expires``: none of them is touched.
 """
 
 from __future__ import annotations
@@ -64,15 +57,13 @@ from hopsched.broker.policies import (
     touch_interval_ms,
 )
 from hopsched.connect import connect
-from hopsched.core.clock import now_us
-from hopsched.core.envelope import BROKER_DELIVERY_COUNT_HEADER, HEADER_HOP_EXPIRES
+from hopsched.core.envelope import BROKER_DELIVERY_COUNT_HEADER
 from hopsched.errors import BrokerUnavailableError, HopschedError, ManagementAPIError
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
 __all__ = [
     "CHECK_INTERVAL_S",
-    "HELD_AT_MOST_S",
     "UNCHECKED_LOG_INTERVAL_S",
     "UNCHECKED_TOUCH_INTERVAL_S",
     "PolicyCheck",
@@ -102,10 +93,6 @@ UNCHECKED_LOG_INTERVAL_S = 3600.0
 #: 2 s; on 4.x a message at a quorum step's head for 40 s is returned 20 times, its
 #: delivery limit, and so dead-lettered early (a wait in the relay, then an extra hop).
 UNCHECKED_TOUCH_INTERVAL_S = 2.0
-#: How long a touch keeps a step queue's message unacknowledged at most, s: well below
-#: RabbitMQ's default ``consumer_timeout`` (30 min), past which the broker closes a
-#: channel that holds a delivery (and returns it to its queue).
-HELD_AT_MOST_S = 600.0
 #: How long the watch waits for the broker to close its connection, s.
 CLOSE_TIMEOUT_S = 2.0
 #: How often a Scheduler reads them, s.
@@ -294,9 +281,6 @@ class PolicyWatch:
             ``policy_unchecked``).
         interval_s: seconds between two reads of the policies.
         clock: ``time.monotonic`` (tests replace it).
-        on_held: called with a message's headers and its step's TTL (µs) when a touch
-            takes it from its step to hold it (the relay times a producer's clock by it:
-            ``HopTiming.observe_held``).
     """
 
     def __init__(
@@ -306,7 +290,6 @@ class PolicyWatch:
         *,
         interval_s: float = CHECK_INTERVAL_S,
         clock: Any = time.monotonic,
-        on_held: Callable[[Mapping[str, Any], int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.stats = stats
@@ -314,14 +297,10 @@ class PolicyWatch:
         self.report: PolicyReport | None = None  #: the last report read, None before
         self._interval_s = interval_s
         self._clock = clock
-        self._on_held = on_held
         self._client = ManagementClient(settings)
         self._said: dict[str, float] = {}  # finding line -> when last logged
         self._unchecked_said: float | None = None
         self._touched: dict[str, float] = {}  # queue -> when last kept in use
-        # step queue -> the timer that rejects the message a touch got from it (held
-        # unacknowledged on ``_channel`` until its TTL's end, it keeps the queue in use)
-        self._held: dict[str, tuple[asyncio.TimerHandle, int]] = {}
         self._cannot_touch_said = -math.inf
         # What an expires can delete: no stream (it ignores expires), and not the relay
         # and ingress queues, which the relay consumes (a consumer keeps a queue in use).
@@ -433,8 +412,6 @@ class PolicyWatch:
         now = self._clock()
         soonest = self._interval_s
         for name, every in every_s.items():
-            if name in self._held:  # in use while its message is held
-                continue
             last = self._touched.get(name)
             if last is None or now - last >= every:
                 if not await self._touch(name):
@@ -458,59 +435,11 @@ class PolicyWatch:
             elif name == self.topology.parked_queue:
                 await _rotate_head(channel, name)
             else:
-                await self._hold_head(channel, name)
+                await _return_head(channel, name)
         except _TOUCH_ERRORS as error:
             self._cannot_touch(name, error)
             await self._close()
         return True
-
-    async def _hold_head(self, channel: aio_pika.abc.AbstractChannel, queue: str) -> None:
-        """``basic.get`` on a quorum step queue: renews its lease; a message got is held
-        unacknowledged until the end of its TTL (its ``x-hopsched-hop-expires``, at most
-        the step's TTL from now and ``HELD_AT_MOST_S``), then rejected into
-        ``{prefix}.relay``."""
-        underlay = await channel.get_underlay_channel()
-        got = await underlay.basic_get(queue, no_ack=False)
-        if not isinstance(got.delivery, Basic.GetOk) or got.delivery_tag is None:
-            return
-        step = queue.rpartition(".")[2]
-        ttl_us = left_us = int(step) * 1000 if step.isdigit() else 0
-        headers = got.header.properties.headers or {}
-        expires = headers.get(HEADER_HOP_EXPIRES)
-        if type(expires) is int:
-            left_us = min(left_us, expires - now_us())
-        wait_s = min(max(left_us / 1_000_000, 0.0), HELD_AT_MOST_S)
-        timer = asyncio.get_running_loop().call_later(
-            wait_s, self._release, queue, channel, got.delivery_tag
-        )
-        self._held[queue] = (timer, got.delivery_tag)
-        if self._on_held is not None:
-            try:
-                self._on_held(headers, ttl_us)
-            except Exception:  # a bug there must not keep the message from its release
-                log.exception("timing a held message failed")
-
-    def _release(self, queue: str, channel: aio_pika.abc.AbstractChannel, tag: int) -> None:
-        """Reject a held message (the broker dead-letters it into ``{prefix}.relay``) and
-        touch its queue again at the next round; nothing if its channel is gone (the
-        broker returned the message to its queue then)."""
-        self._held.pop(queue, None)
-        self._touched.pop(queue, None)
-        if channel is self._channel and not channel.is_closed:
-            task = asyncio.ensure_future(_reject(channel, tag))
-            task.add_done_callback(_quietly)
-
-    async def _release_all(self) -> None:
-        """Reject every held message now (a stop): in the relay queue it is early, and
-        the next relay waits it out; left to the channel's close, it would go back to
-        its step queue."""
-        held, self._held = self._held, {}
-        channel = self._channel
-        for timer, tag in held.values():
-            timer.cancel()
-            if channel is not None and not channel.is_closed:
-                with contextlib.suppress(*_TOUCH_ERRORS):
-                    await _reject(channel, tag)
 
     def _cannot_touch(self, name: str, error: Exception) -> None:
         # Tried again every few seconds (a broker away, a queue deleted): said once per
@@ -529,17 +458,12 @@ class PolicyWatch:
                 raise
             self._channel = None
         if self._channel is None or self._channel.is_closed:
-            for timer, _ in self._held.values():  # the broker returned them with the channel
-                timer.cancel()
-            self._held.clear()
             self._channel = await self._connection.channel()
         return self._channel
 
     async def _close(self) -> None:
         """Close the touches' connection, within ``CLOSE_TIMEOUT_S``: a broker that never
         answers ``connection.close`` must not hold up a relay's stop."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._release_all(), CLOSE_TIMEOUT_S)
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(Exception):
@@ -549,17 +473,16 @@ class PolicyWatch:
 _TOUCH_ERRORS = (HopschedError, aiormq.exceptions.AMQPError, ConnectionError)
 
 
-async def _reject(channel: aio_pika.abc.AbstractChannel, tag: int) -> None:
-    """Reject a held delivery, ``requeue=false``: its queue dead-letters it."""
+async def _return_head(channel: aio_pika.abc.AbstractChannel, queue: str) -> None:
+    """``basic.get`` on a quorum step queue: renews its lease; a message got is returned
+    (``requeue=true``) and keeps its TTL (measured on 3.10.8 and 4.0.5: dead-lettered
+    ``expired`` on time). Each return counts: past the queue's delivery limit (20 by
+    default on 4.x, none on 3.10) the broker dead-letters it into ``{prefix}.relay``,
+    which waits it out as any early return."""
     underlay = await channel.get_underlay_channel()
-    await underlay.basic_reject(tag, requeue=False)
-
-
-def _quietly(task: asyncio.Future[None]) -> None:
-    """A release's reject that failed (the channel closed meanwhile): the broker returned
-    the message to its queue with the channel."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        log.debug("rejecting a held message failed (%s)", error)
+    got = await underlay.basic_get(queue, no_ack=False)
+    if isinstance(got.delivery, Basic.GetOk) and got.delivery_tag is not None:
+        await underlay.basic_nack(got.delivery_tag, requeue=True)
 
 
 async def _rotate_head(channel: aio_pika.abc.AbstractChannel, queue: str) -> None:

@@ -137,9 +137,8 @@ class Route:
 class Wait:
     """A step returned it early: route it anew after ``wait_us`` µs (``decide`` with
     ``rerouted=True``), not at once. ``queue`` is the step, ``reason`` says what came
-    back and why, for the log; ``kept_alive``: the relays' own keep-alive did it (a
-    ``basic.get`` held, then rejected; or, by earlier relays, the step's delivery
-    limit reached by their gets): expected, not an operator's problem."""
+    back and why, for the log; ``kept_alive``: the step's delivery limit returned it,
+    which the relay's own keep-alive gets reach (expected, not an operator's problem)."""
 
     envelope: Envelope
     wait_us: int
@@ -333,12 +332,6 @@ class Decider:
                     "an expires policy) counts as a delivery, and quorum queues allow 20 "
                     "by default; it waits, then hops on (docs/operations.md, Policies)"
                 )
-            elif reason == "rejected":  # a relay's keep-alive held it, then gave it back
-                came += (
-                    ": a relay that keeps the step in use (no management API, or an expires "
-                    "policy) held it, and rejects one whose TTL ends over 10 minutes out "
-                    "then; it waits, then hops on (docs/operations.md, Policies)"
-                )
             if crowded:
                 return Park(
                     f"{came} and the relay holds all it can: a policy in force keeps the "
@@ -346,8 +339,9 @@ class Decider:
                     "it once that is fixed",
                     ParkKind.RETURNED_EARLY,
                 )
-            kept_alive = reason in ("delivery_limit", "rejected")
-            return Wait(envelope, min(early_us, WAIT_MAX_US), queue, came, kept_alive)
+            return Wait(
+                envelope, min(early_us, WAIT_MAX_US), queue, came, reason == "delivery_limit"
+            )
         return Route(envelope, plan)
 
     def verdict(self, cancellations: Cancellations, envelope: Envelope) -> str | int | None:

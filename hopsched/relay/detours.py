@@ -390,7 +390,7 @@ class Retries:
         self.stats.record_returned_early()
         self.waiting += 1
         if self.stats.first_problem(wait.queue, "returned early: waiting to hop it again"):
-            # the keep-alive's own doing is expected: INFO; a policy's is a WARNING
+            # the keep-alive's own doing on 4.x is expected: INFO; a policy's is a WARNING
             level = logging.INFO if wait.kept_alive else logging.WARNING
             log.log(level, "%s; waiting %.1f s to route it again", wait.reason, wait.wait_us / 1e6)
 

@@ -90,9 +90,7 @@ class HopTiming:
         (ahead: corrected) or a WARNING (behind) the first time in a log interval the
         estimate is past the threshold."""
         died = dead_lettered_us(headers)
-        # its x-death time against its arrival: dead-lettered at a TTL's end, or rejected
-        # by a relay's keep-alive (``hopsched.broker.policy_watch``) at it
-        if died is None or dead_letter_reason(headers) not in ("expired", "rejected"):
+        if died is None or dead_letter_reason(headers) != "expired":
             return False
         clock = self.broker_clock
         expires = headers.get(HEADER_HOP_EXPIRES)
@@ -138,16 +136,10 @@ class HopTiming:
         expires = headers.get(HEADER_HOP_EXPIRES)
         # Only a TTL's end times a hop: one dead-lettered for a delivery limit, a length
         # limit or a reject left its step at another time (seen: "+4294967.2 s" off).
-        # But a relay's keep-alive rejects the hop it held at its TTL's end by the relay's
-        # clock (``hopsched.broker.policy_watch``): one of the relay's own not early is as
-        # late as the broker brought it back.
-        reason = dead_letter_reason(headers)
-        if type(expires) is not int or reason not in ("expired", "rejected"):
+        if type(expires) is not int or dead_letter_reason(headers) != "expired":
             return
         sample = now - expires
         clock = headers.get(HEADER_HOP_CLOCK)
-        if reason == "rejected" and (clock != RELAY_CLOCK or sample < 0):
-            return
         if clock == RELAY_CLOCK:
             self.stats.record_overshoot(sample)
             self.overshoot.record(min(sample, self.cap_us), now)
@@ -155,36 +147,22 @@ class HopTiming:
             died = dead_lettered_us(headers)
             if died is None or now - died > QUEUED_TOO_LONG_US:
                 return  # it waited in the relay queue (a backlog, no relay): not a clock
-            self._producer_sample(clock, sample, QUEUED_TOO_LONG_US)
-
-    def observe_held(self, headers: Mapping[str, Any], ttl_us: int) -> None:
-        """A relay's keep-alive (``hopsched.broker.policy_watch``) took a hop from its step
-        just now, before its TTL of ``ttl_us`` ended: a producer's first hop then gives
-        no expiry to time its clock by, but a bound. It entered the step at most
-        ``ttl_us`` ago, so its TTL would have ended at most ``ttl_us`` from now: a sample
-        inflated by up to ``ttl_us``, as one that waited."""
-        expires = headers.get(HEADER_HOP_EXPIRES)
-        clock = headers.get(HEADER_HOP_CLOCK)
-        if type(expires) is int and isinstance(clock, str) and clock != RELAY_CLOCK:
-            self._producer_sample(clock, self.broker_clock() + ttl_us - expires, ttl_us)
-
-    def _producer_sample(self, producer: str, sample: int, waited_up_to_us: int) -> None:
-        # A relay behind the broker (not corrected) makes every producer look ahead
-        # by its offset: measure the producers against the broker's clock then.
-        behind = self.broker_clock.skew == "behind"
-        relay_offset = self.broker_clock.offset_us or 0
-        offset = self.stats.record_clock_sample(
-            producer,
-            sample - relay_offset if behind else sample,
-            waited_up_to_us=waited_up_to_us,
-            # the relay's offset is known to the second only
-            resolution_us=1_000_000 if behind else 0,
-        )
-        if offset is not None:
-            log.warning(
-                "producer %s's clock seems %+.1f s off the %s's: its due times are "
-                "read by the relay's clock and shift by as much (run NTP on it)",
-                producer,
-                offset / 1_000_000,
-                "broker" if behind else "relay",
+            # A relay behind the broker (not corrected) makes every producer look ahead
+            # by its offset: measure the producers against the broker's clock then.
+            behind = self.broker_clock.skew == "behind"
+            relay_offset = self.broker_clock.offset_us or 0
+            offset = self.stats.record_clock_sample(
+                clock,
+                sample - relay_offset if behind else sample,
+                waited_up_to_us=QUEUED_TOO_LONG_US,
+                # the relay's offset is known to the second only
+                resolution_us=1_000_000 if behind else 0,
             )
+            if offset is not None:
+                log.warning(
+                    "producer %s's clock seems %+.1f s off the %s's: its due times are "
+                    "read by the relay's clock and shift by as much (run NTP on it)",
+                    clock,
+                    offset / 1_000_000,
+                    "broker" if behind else "relay",
+                )

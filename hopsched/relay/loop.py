@@ -346,7 +346,7 @@ class Relay:
         """The policies in force (``hopsched.broker.policy_watch``), once the relay consumes (a
         refused login is said once, by ``run()``)."""
         await self._consuming.wait()
-        await PolicyWatch(self.settings, self.stats, on_held=self.hop_timing.observe_held).run()
+        await PolicyWatch(self.settings, self.stats).run()
 
     async def _unless_stopping(self, work: Awaitable[Any]) -> Any:
         """``await work``, unless ``stop()`` comes first: then cancel it and return None."""

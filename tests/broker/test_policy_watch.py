@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-import aio_pika
 import pytest
 from support import Relays, hopsched_cli
 
@@ -23,8 +22,6 @@ import hopsched
 from hopsched.broker.management import ManagementClient, management_urls
 from hopsched.broker.objects import declare_topology
 from hopsched.broker.policy_watch import UNCHECKED_TOUCH_INTERVAL_S, PolicyWatch
-from hopsched.core.clock import now_us
-from hopsched.core.envelope import HEADER_HOP_EXPIRES
 from hopsched.errors import ManagementAPIError
 from hopsched.testing.localbroker import free_port
 
@@ -111,65 +108,6 @@ async def test_without_the_management_api_the_watch_keeps_every_queue_an_expires
     now[0] = UNCHECKED_TOUCH_INTERVAL_S
     await watch.keep_in_use()
     assert touched == [*topology.step_queues, topology.parked_queue]
-
-
-async def test_a_touch_holds_a_step_queues_head_until_its_ttls_end_then_dead_letters_it(
-    make_settings: Callable[..., hopsched.Settings],
-) -> None:
-    """Without the API a quorum step queue is kept in use by a basic.get. The message got
-    (its head) is held unacknowledged, which keeps the queue in use, and rejected at its
-    TTL's end into the relay queue, as its TTL would have: never before it, and not
-    returned to the step (returned every 2 s, heads on RabbitMQ 3.10.8 expired up to 8 s
-    late). A stop rejects what is still held (early: the next relay waits it out)."""
-    settings = make_settings(management_url=CLOSED)
-    topology = hopsched.Topology.from_settings(settings)
-    await declare_topology(settings)
-    watch = PolicyWatch(settings, hopsched.RelayStats())
-    await watch.check()
-    step_ms = 1024
-    step = topology.step_queue(step_ms)
-    channel = await watch._open_channel()
-    relay_queue = await channel.declare_queue(topology.relay_queue, passive=True)
-    try:
-        expires = {}
-        for name, ttl_ms in (("soon", step_ms), ("later", step_ms)):
-            expires[name] = now_us() + ttl_ms * 1000
-            await channel.default_exchange.publish(
-                aio_pika.Message(name.encode(), headers={HEADER_HOP_EXPIRES: expires[name]}),
-                routing_key=step,
-            )
-        assert await watch._touch(step)
-        assert list(watch._held) == [step]  # the head, "soon"
-        got = await _first(relay_queue, within_s=30)
-        arrived = now_us()
-        assert got.body == b"soon"
-        # 1 ms: the release's timer runs on the loop's monotonic clock, the stamp is wall time
-        assert arrived >= expires["soon"] - 1000, "dead-lettered before its TTL's end"
-        assert got.headers["x-death"][0]["reason"] == "rejected"
-        await got.ack()
-        assert step not in watch._held
-
-        assert await watch._touch(step)  # "later", or nothing if its TTL took it already
-        if step in watch._held:
-            await watch._close()  # a stop: rejected now, into the relay queue
-            got = await _first(relay_queue, within_s=30)
-        else:
-            got = await _first(relay_queue, within_s=30)
-            assert got.headers["x-death"][0]["reason"] == "expired"
-        assert got.body == b"later"
-        await got.ack()
-    finally:
-        await watch._close()
-
-
-async def _first(queue: aio_pika.abc.AbstractQueue, within_s: float) -> Any:
-    """The first message ``queue`` gives, waiting up to ``within_s``."""
-    for _ in range(int(within_s / 0.01)):
-        message = await queue.get(fail=False, no_ack=False)
-        if message is not None:
-            return message
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"nothing in {queue.name} within {within_s} s")
 
 
 async def test_without_a_broker_the_watch_tries_a_queue_a_round_and_says_so_once(

@@ -7,8 +7,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from hopsched.core.envelope import HEADER_HOP_CLOCK, HEADER_HOP_EXPIRES, RELAY_CLOCK
 from hopsched.core.overshoot import OvershootTracker
@@ -92,31 +90,3 @@ def test_a_producers_hop_is_no_sample_once_the_relay_has_its_own_or_when_crowded
     timing.observe_broker(_hop(T0 + 20 * S, T0 + 20 * S, clock="host/1"))
     assert timing.broker_clock.offset_us == 2_000
     assert timing.broker_clock.correction_us == 0
-
-
-@given(
-    offset_us=st.integers(-600 * S, 600 * S),
-    ttl_us=st.sampled_from([16_000, 1_024_000, 4_096_000, 65_536_000]),
-    waited=st.floats(0.0, 1.0),
-)
-def test_a_first_hop_held_by_the_keep_alive_bounds_its_producers_offset(
-    offset_us: int, ttl_us: int, waited: float
-) -> None:
-    """A producer's first hop that a relay's keep-alive took from its step (before its TTL
-    ended: it entered the step ``waited`` of its TTL before) estimates the producer's
-    offset behind by at most the TTL, never ahead of it: a clock minutes off is still
-    seen, and one in time never seems ahead."""
-    raw = [T0]
-    timing = _timing(raw)
-    entered = T0 - round(waited * ttl_us)
-    stamp = entered + offset_us + ttl_us  # the producer's clock: its TTL's end
-    timing.observe_held({HEADER_HOP_EXPIRES: stamp, HEADER_HOP_CLOCK: "host/1"}, ttl_us)
-    estimate = timing.stats.clock_offsets["host/1"]
-    assert offset_us - ttl_us <= estimate <= offset_us
-
-
-def test_a_relays_own_hop_held_by_the_keep_alive_is_no_producer_sample() -> None:
-    timing = _timing([T0])
-    timing.observe_held({HEADER_HOP_EXPIRES: T0, HEADER_HOP_CLOCK: RELAY_CLOCK}, 16_000)
-    timing.observe_held({}, 16_000)
-    assert timing.stats.clock_offsets == {}
