@@ -20,10 +20,14 @@ and 4.0.5): for a classic queue, a passive ``queue.declare``; a quorum queue onl
 consumer or a ``basic.get`` (``rabbit_fifo``'s ``last_active``). So a quorum step queue
 gets a ``basic.get``: an empty one is renewed, a message got is returned to it
 (``requeue=true``), where its TTL runs on (a reject would pull it out of the ladder into
-the relay every few seconds); the quorum parking queue moves the message it got to its
-tail (published with a confirm, then acked: a return counts towards its delivery limit,
-past which it drops the message). The relay consumes ``{prefix}.relay`` and
-``{prefix}.ingress``, and a stream ignores ``expires``: none of them is touched.
+the relay every few seconds). On RabbitMQ 3.10.8 a returned head of a busy step expires
+late, by up to 8 s (docs/operations.md, Policies): holding it unacknowledged until its
+TTL's end would keep the queue in use without that, but must stay under the broker's
+``consumer_timeout`` and follow the relay's clock correction. The quorum parking queue
+moves the message it got to its tail (published with a confirm, then acked: a return
+counts towards its delivery limit, past which it drops the message). The relay
+consumes ``{prefix}.relay`` and ``{prefix}.ingress``, and a stream ignores ``expires``:
+none of them is touched.
 """
 
 from __future__ import annotations
@@ -475,10 +479,11 @@ _TOUCH_ERRORS = (HopschedError, aiormq.exceptions.AMQPError, ConnectionError)
 
 async def _return_head(channel: aio_pika.abc.AbstractChannel, queue: str) -> None:
     """``basic.get`` on a quorum step queue: renews its lease; a message got is returned
-    (``requeue=true``) and keeps its TTL (measured on 3.10.8 and 4.0.5: dead-lettered
-    ``expired`` on time). Each return counts: past the queue's delivery limit (20 by
-    default on 4.x, none on 3.10) the broker dead-letters it into ``{prefix}.relay``,
-    which waits it out as any early return."""
+    (``requeue=true``) and keeps its TTL (a lone message: dead-lettered ``expired`` on
+    time on 3.10.8 and 4.0.5; busy steps' heads on 3.10.8: up to 8 s late). Each return
+    counts: past the queue's delivery limit (20 by default on 4.x, none on 3.10) the
+    broker dead-letters it into ``{prefix}.relay``, which waits it out as any early
+    return."""
     underlay = await channel.get_underlay_channel()
     got = await underlay.basic_get(queue, no_ack=False)
     if isinstance(got.delivery, Basic.GetOk) and got.delivery_tag is not None:
