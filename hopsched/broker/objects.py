@@ -401,10 +401,15 @@ async def teardown(
     force: bool = False,
     count_held: HeldCounter | None = None,
     progress: Progress | None = None,
+    shared_exchanges: Iterable[str] = (),
 ) -> Teardown:
     """Delete every queue of ``queues()`` (and a holding queue of an interrupted
     ``upgrade``, and the step queues of another ladder on the prefix), then the
     exchange; report missing ones.
+
+    ``shared_exchanges`` (an ingress's due exchanges, which consumers bind their queues
+    to) go first; without ``force`` only if unused, as ``ingress remove`` deletes them,
+    and if one is bound nothing else is deleted.
 
     Without ``force`` nothing is deleted while a queue holds messages or has
     consumers (``teardown_refusal``). A message published between that check and
@@ -416,7 +421,8 @@ async def teardown(
 
     Raises:
         PrefixNotDeclaredError: nothing of the prefix exists; nothing was deleted.
-        HopschedError: without ``force``, a queue is in use; names them all.
+        HopschedError: without ``force``, a queue is in use, or a shared exchange is
+            bound; names them all.
         AccessRefusedError: the user may not delete them (AMQP 403).
     """
     depths = await inspect(topology, connection, check_arguments=False)
@@ -426,7 +432,8 @@ async def teardown(
     exchange_exists = await _exchange_exists(topology, connection)
     if not exchange_exists and all(depth is None for depth in depths.values()):
         raise _nothing_here(topology, "nothing removed")
-    done = Teardown()
+    report = progress or _quiet
+    done = Teardown(removed=await _delete_unless_bound(connection, shared_exchanges, force, report))
     done.consumers = {
         name: depth.consumers for name, depth in depths.items() if depth and depth.consumers
     }
@@ -436,7 +443,6 @@ async def teardown(
             done.held_unknown = counted
         else:
             done.held = {name: counted.get(name, 0) for name in done.consumers}
-    report = progress or _quiet
     channel = await connection.channel(publisher_confirms=False)
     underlay = await channel.get_underlay_channel()
     try:
@@ -466,6 +472,41 @@ async def teardown(
         if not channel.is_closed:
             await channel.close()
     return done
+
+
+async def _delete_unless_bound(
+    connection: Connection, names: Iterable[str], force: bool, report: Progress
+) -> list[str]:
+    """Delete exchanges ``names``, without ``force`` only those no queue is bound to;
+    the deleted ones, in order.
+
+    Raises:
+        HopschedError: without ``force``, one is bound (names them, and those deleted).
+    """
+    removed: list[str] = []
+    bound: list[str] = []
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        for name in names:
+            try:
+                await channel.exchange_delete(name, if_unused=not force)
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                bound.append(name)
+                channel = await connection.channel(publisher_confirms=False)  # 406 closed it
+                continue
+            removed.append(name)
+            report(f"removed {name}", 0)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    if bound:
+        raise HopschedError(
+            f"not removed: {', '.join(bound)} still bound (consumers' queues wait for the "
+            "x-delay messages through it), so nothing else either"
+            + (f" but the unused {', '.join(removed)}" if removed else "")
+            + ". Unbind them, or use --force"
+        )
+    return removed
 
 
 async def _exchange_exists(topology: Topology, connection: Connection) -> bool:

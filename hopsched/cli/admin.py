@@ -7,7 +7,6 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
-import aiormq
 import click
 
 from hopsched.broker import objects
@@ -24,8 +23,8 @@ from hopsched.cli.common import (
 )
 from hopsched.cli.policies import unprotect_quietly
 from hopsched.connect import connect
-from hopsched.errors import HopschedError, PrefixNotDeclaredError
-from hopsched.topology import ROLES, QueueDepth, Role, Topology, teardown_refusal
+from hopsched.errors import PrefixNotDeclaredError
+from hopsched.topology import ROLES, QueueDepth, Role, Topology
 
 
 @click.command()
@@ -99,35 +98,16 @@ def teardown(
             ingresses = []
         connection = await connect(settings)
         async with connection:
-            if ingresses and not force:  # the queues' refusal first, before any delete
-                depths = await objects.inspect(topology, connection, check_arguments=False)
-                refusal = teardown_refusal(depths, topology.records, topology.holding_queues)
-                if refusal is not None:
-                    raise HopschedError(refusal)
-            channel = await connection.channel()
-            dues: list[str] = []
-            bound: list[str] = []
-            for each in ingresses:  # as `ingress remove`: consumers' bindings stay theirs
-                due = topology.due_exchange(each.exchange)
-                try:
-                    await channel.exchange_delete(due, if_unused=not force)
-                except aiormq.exceptions.ChannelPreconditionFailed:
-                    bound.append(due)
-                    channel = await connection.channel()  # the 406 closed that one
-                    continue
-                dues.append(due)
-                removed(f"removed {due}", 0)
-            if bound:
-                raise HopschedError(
-                    f"not removed: {', '.join(bound)} still bound (consumers' queues wait "
-                    "for the x-delay messages through it), so nothing else either"
-                    + (f" but the unused {', '.join(dues)}" if dues else "")
-                    + ". Unbind them, or use --force"
-                )
             done = await objects.teardown(
-                topology, connection, force=force, count_held=count_held, progress=removed
+                topology,
+                connection,
+                force=force,
+                count_held=count_held,
+                progress=removed,
+                # as `ingress remove`: consumers' bindings to a due exchange stay theirs
+                shared_exchanges=[topology.due_exchange(each.exchange) for each in ingresses],
             )
-            done.removed += dues
+            channel = await connection.channel()
             for each in ingresses:  # their exchanges, now that nothing routes into them
                 await channel.exchange_delete(each.exchange)
                 done.removed.append(each.exchange)
