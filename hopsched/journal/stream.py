@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pamqp import commands
+
 from hopsched import amqp
 from hopsched.amqp.acks import Acker
 from hopsched.amqp.publisher import Publisher
@@ -61,6 +63,8 @@ RECORDS_PER_MESSAGE = 1000
 FLUSH_AFTER_S = 0.01
 #: How long reading the journal may go without a message before it is given up, s.
 READ_TIMEOUT_S = 60.0
+#: Seconds between the writes of a marker the broker returned from a stream it knows.
+MARKER_RETRY_S = 0.5
 _PROPERTIES = amqp.Properties(content_type="application/x-hopsched-journal", delivery_mode=2)
 #: A journal stream message's encoded properties (a relay's, a Scheduler's, a marker's).
 JOURNAL_PROPERTIES = _PROPERTIES.encode()
@@ -211,7 +215,7 @@ async def read_journal(
 
     Raises:
         BrokerUnavailableError: cannot connect, or the stream gave nothing for
-            ``READ_TIMEOUT_S``.
+            ``READ_TIMEOUT_S``, or routed nothing for as long (a node not yet recovered).
         ChannelClosedError: the journal is missing (404: a prefix declared by a hopsched
             before the journal: a relay of this version declares it).
         AccessRefusedError: may not write the marker or read the stream (403).
@@ -222,7 +226,7 @@ async def read_journal(
     connection = await Connector(settings, name="hopsched-journal").connect()
     publisher = Publisher(connection)
     try:
-        await _write_marker(publisher, stream, marker)
+        await _write_marker(connection, publisher, stream, marker)
         caught_up = asyncio.Event()
         lost = asyncio.Event()  # the broker cancelled the reading (the stream deleted)
         channel = await connection.channel()
@@ -278,24 +282,57 @@ async def read_journal(
     return fold
 
 
-async def _write_marker(publisher: Publisher, stream: str, marker: str) -> None:
+async def _write_marker(
+    connection: amqp.Connection, publisher: Publisher, stream: str, marker: str
+) -> None:
+    """Write the read's end marker to ``stream``, with a confirm.
+
+    A marker returned unroutable means no stream only if a passive declare says so too:
+    a node just restarted routes nothing to a stream it has not recovered yet (seen on
+    RabbitMQ 4.0.5 seconds after a ``kill -9``), so the marker is written again, every
+    ``MARKER_RETRY_S``, for up to ``READ_TIMEOUT_S``."""
     record = encode_journal([JournalRecord(MARKER, marker, 0, 0)])
-    outcome, detail = await publisher.answer(
-        JOURNAL_LANE, "", stream, record, JOURNAL_PROPERTIES, READ_TIMEOUT_S
-    )
-    if outcome is amqp.Outcome.ACK:
-        return
-    if isinstance(detail, ChannelClosedError) and detail.reply_code == 403:
-        raise AccessRefusedError(
-            f"the broker refused ({detail}): reading the journal writes a marker to "
-            f"{stream} through amq.default (write permission)"
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while True:
+        outcome, detail = await publisher.answer(
+            JOURNAL_LANE, "", stream, record, JOURNAL_PROPERTIES, READ_TIMEOUT_S
         )
-    if isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
-        raise detail
-    if outcome is amqp.Outcome.RETURNED:
-        raise ChannelClosedError(
-            404,
-            f"NOT_FOUND - no stream {stream!r}: the prefix was declared by a hopsched "
-            "without a journal, or torn down (a relay of this version declares it)",
-        )
-    raise BrokerUnavailableError(f"{stream} did not take the marker ({outcome.value})")
+        if outcome is amqp.Outcome.ACK:
+            return
+        if isinstance(detail, ChannelClosedError) and detail.reply_code == 403:
+            raise AccessRefusedError(
+                f"the broker refused ({detail}): reading the journal writes a marker to "
+                f"{stream} through amq.default (write permission)"
+            )
+        if isinstance(detail, (ChannelClosedError, BrokerConnectionLost)):
+            raise detail
+        if outcome is not amqp.Outcome.RETURNED:
+            raise BrokerUnavailableError(f"{stream} did not take the marker ({outcome.value})")
+        if not await _declared(connection, stream):
+            raise ChannelClosedError(
+                404,
+                f"NOT_FOUND - no stream {stream!r}: the prefix was declared by a hopsched "
+                "without a journal, or torn down (a relay of this version declares it)",
+            )
+        if time.monotonic() + MARKER_RETRY_S > deadline:
+            raise BrokerUnavailableError(
+                f"{stream} exists but routed no message for {READ_TIMEOUT_S:.0f} s (a node "
+                "that has not recovered it since it started?)"
+            )
+        await asyncio.sleep(MARKER_RETRY_S)
+
+
+async def _declared(connection: amqp.Connection, stream: str) -> bool:
+    """Whether the broker knows ``stream`` (a passive ``queue.declare``): False only for
+    its "no queue" 404; another 404 (its node down, not recovered) means it exists."""
+    channel = await connection.channel()
+    try:
+        await channel.call(commands.Queue.Declare(queue=stream, passive=True))
+    except ChannelClosedError as error:
+        if error.reply_code == 404 and "no queue" in error.reply_text:
+            return False
+        if error.reply_code != 404:
+            raise
+    else:
+        await channel.close()
+    return True
