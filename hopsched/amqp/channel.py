@@ -27,6 +27,7 @@ from hopsched.amqp.wire import (
     Properties,
     ack_frame,
     content_frames,
+    credit_consume_frame,
     decode_confirm,
     decode_content_header,
     decode_deliver,
@@ -192,8 +193,9 @@ class Channel:
 
     # --- methods with a reply --------------------------------------------------------------
 
-    async def call(self, method: Frame) -> Frame:
-        """Send a synchronous method and return the broker's reply (``*Ok``).
+    async def call(self, method: Frame, encoded: bytes | None = None) -> Frame:
+        """Send a synchronous method and return the broker's reply (``*Ok``);
+        ``encoded``: its frame, encoded already (what pamqp cannot encode).
 
         Raises:
             ChannelClosedError: the broker closed the channel in reply (e.g. 404, 406).
@@ -206,7 +208,7 @@ class Channel:
             self._rpc_waiter = waiter
             if isinstance(method, commands.Channel.Close):
                 self._close_sent = True
-            self.connection.send(method_frame(self.number, method))
+            self.connection.send(encoded or method_frame(self.number, method))
             try:
                 return await waiter
             finally:
@@ -229,23 +231,30 @@ class Channel:
         *,
         arguments: dict[str, Any] | None = None,
         no_ack: bool = False,
+        credit: int | None = None,
     ) -> str:
         """Consume ``queue`` (with manual acks unless ``no_ack``); returns the consumer tag.
 
         ``on_delivery`` runs for each message inside the read that brought it;
         ``on_cancel`` runs with the tag if the broker cancels the consumer (the
         queue was deleted, or its leader moved: consumer cancel notification,
-        https://www.rabbitmq.com/docs/consumer-cancel).
+        https://www.rabbitmq.com/docs/consumer-cancel). ``credit`` (manual acks, no
+        ``arguments``): RabbitMQ 3.x's ``x-credit``, at most that many deliveries
+        (``wire.credit_consume_frame``); 4.x ignores it.
         """
         tag = f"hopsched-{uuid.uuid4().hex[:16]}"
+        method = commands.Basic.Consume(
+            queue=queue, consumer_tag=tag, no_ack=no_ack, arguments=arguments or {}
+        )
+        encoded = None
+        if credit is not None:
+            if no_ack or arguments:
+                raise ValueError("a consumer with credit takes manual acks and no arguments")
+            encoded = credit_consume_frame(self.number, queue, tag, credit)
         # Registered before consume-ok: deliveries may follow it in the same read.
         self._consumers[tag] = (on_delivery, on_cancel)
         try:
-            await self.call(
-                commands.Basic.Consume(
-                    queue=queue, consumer_tag=tag, no_ack=no_ack, arguments=arguments or {}
-                )
-            )
+            await self.call(method, encoded)
         except BaseException:
             self._consumers.pop(tag, None)
             raise

@@ -113,6 +113,22 @@ def method_frame(channel: int, method: Frame) -> bytes:
     return _frame(FRAME_METHOD, channel, _U32.pack(method.index) + method.marshal())
 
 
+def credit_consume_frame(channel: int, queue: str, consumer_tag: str, credit: int) -> bytes:
+    """A ``basic.consume`` (manual acks) with RabbitMQ 3.x's ``x-credit`` argument: the
+    broker delivers at most ``credit`` messages until the consumer grants more (the AMQP
+    1.0 plugin's link credit; 0: none at all). Its ``credit`` must be a 64-bit ``l``
+    field (``rabbit_channel:parse_credit_args``, 3.x; any other type falls back to the
+    prefetch), which pamqp never picks for a small int. RabbitMQ 4.x ignores the
+    argument and delivers as to any consumer."""
+    credit_args = _shortstr("credit") + b"l" + _I64.pack(credit) + _shortstr("drain") + b"t\x00"
+    table = _shortstr("x-credit") + b"F" + _U32.pack(len(credit_args)) + credit_args
+    method = commands.Basic.Consume(queue=queue, consumer_tag=consumer_tag).marshal()
+    if not method.endswith(b"\x00\x00\x00\x00"):  # pamqp's empty arguments table, last
+        raise AssertionError("basic.consume no longer ends with its arguments table")
+    payload = _U32.pack(commands.Basic.Consume.index) + method[:-4] + _U32.pack(len(table))
+    return _frame(FRAME_METHOD, channel, payload + table)
+
+
 _KEYS: dict[str, bytes] = {}  # encoded table keys: a message's keys repeat message after message
 _KEYS_MAX = 4096
 

@@ -17,17 +17,17 @@
 
 Keeping a queue in use (what resets an ``expires`` lease, measured on RabbitMQ 3.10.8
 and 4.0.5): for a classic queue, a passive ``queue.declare``; a quorum queue only counts a
-consumer or a ``basic.get`` (``rabbit_fifo``'s ``last_active``). So a quorum step queue
-gets a ``basic.get``: an empty one is renewed, a message got is returned to it
-(``requeue=true``), where its TTL runs on (a reject would pull it out of the ladder into
-the relay every few seconds). On RabbitMQ 3.10.8 a returned head of a busy step expires
-late, by up to 8 s (docs/operations.md, Policies): holding it unacknowledged until its
-TTL's end would keep the queue in use without that, but must stay under the broker's
-``consumer_timeout`` and follow the relay's clock correction. The quorum parking queue
-moves the message it got to its tail (published with a confirm, then acked: a return
-counts towards its delivery limit, past which it drops the message). The relay
-consumes ``{prefix}.relay`` and ``{prefix}.ingress``, and a stream ignores ``expires``:
-none of them is touched.
+consumer or a ``basic.get`` (``rabbit_fifo``'s ``last_active``). On RabbitMQ 3.x a quorum
+queue gets a consumer given no credit (``hopsched.broker.idle_consumers``): it takes no
+message, and the queue's messages expire on time under it. On 4.x, which ignores that
+credit, a quorum step queue gets a ``basic.get``: an empty one is renewed, a message got
+is returned to it (``requeue=true``), where its TTL runs on (4.0.5 expires it on time; a
+reject would pull it out of the ladder into the relay every few seconds). 3.10.8 expired
+a busy step's returned heads up to 8 s late, which is why 3.x does not get this. The
+quorum parking queue on 4.x moves the message it got to its tail (published with a
+confirm, then acked: a return counts towards its delivery limit, past which it drops the
+message). The relay consumes ``{prefix}.relay`` and ``{prefix}.ingress``, and a stream
+ignores ``expires``: none of them is touched.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import aio_pika
 import aiormq
 from pamqp.commands import Basic
 
+from hopsched.broker.idle_consumers import IdleConsumers
 from hopsched.broker.management import ManagementClient
 from hopsched.broker.policies import (
     PROTECT_PRIORITY,
@@ -93,9 +94,10 @@ UNCHECKED_LOG_INTERVAL_S = 3600.0
 #: How often a relay that cannot read them uses each queue an ``expires`` could delete,
 #: s: a lease it cannot see may be as short as F28's 8 s; this is a third of 6 s (as
 #: ``touch_interval_ms`` for a known lease). The cost, always paid without the API:
-#: with the default ladder, 30 ``basic.get`` (quorum) or passive declares (classic) per
-#: 2 s; on 4.x a message at a quorum step's head for 40 s is returned 20 times, its
-#: delivery limit, and so dead-lettered early (a wait in the relay, then an extra hop).
+#: with the default ladder, 30 ``basic.get`` (quorum on 4.x; 3.x: a consumer without
+#: credit each, attached once) or passive declares (classic) per 2 s; on 4.x a message
+#: at a quorum step's head for 40 s is returned 20 times, its delivery limit, and so
+#: dead-lettered early (a wait in the relay, then an extra hop).
 UNCHECKED_TOUCH_INTERVAL_S = 2.0
 #: How long the watch waits for the broker to close its connection, s.
 CLOSE_TIMEOUT_S = 2.0
@@ -316,6 +318,7 @@ class PolicyWatch:
         ]
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._idle_consumers = IdleConsumers(settings)
         self._told_unprotected = False
 
     async def run(self) -> None:
@@ -413,6 +416,8 @@ class PolicyWatch:
         if not every_s:
             await self._close()
             return self._interval_s
+        for name in self._idle_consumers.kept - every_s.keys():
+            await self._idle_consumers.release(name)
         now = self._clock()
         soonest = self._interval_s
         for name, every in every_s.items():
@@ -436,6 +441,8 @@ class PolicyWatch:
         try:
             if self.settings.queue_type == "classic":
                 await channel.declare_queue(name, passive=True)
+            elif await self._idle_consumers.keep(name):
+                pass  # RabbitMQ 3.x: a consumer without credit, on it until released
             elif name == self.topology.parked_queue:
                 await _rotate_head(channel, name)
             else:
@@ -468,6 +475,7 @@ class PolicyWatch:
     async def _close(self) -> None:
         """Close the touches' connection, within ``CLOSE_TIMEOUT_S``: a broker that never
         answers ``connection.close`` must not hold up a relay's stop."""
+        await self._idle_consumers.close()
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(Exception):
@@ -478,9 +486,9 @@ _TOUCH_ERRORS = (HopschedError, aiormq.exceptions.AMQPError, ConnectionError)
 
 
 async def _return_head(channel: aio_pika.abc.AbstractChannel, queue: str) -> None:
-    """``basic.get`` on a quorum step queue: renews its lease; a message got is returned
-    (``requeue=true``) and keeps its TTL (a lone message: dead-lettered ``expired`` on
-    time on 3.10.8 and 4.0.5; busy steps' heads on 3.10.8: up to 8 s late). Each return
+    """``basic.get`` on a quorum step queue (RabbitMQ 4.x): renews its lease; a message
+    got is returned (``requeue=true``) and keeps its TTL (on time on 4.0.5; busy steps'
+    heads on 3.10.8 came back up to 8 s late: 3.x gets ``IdleConsumers``). Each return
     counts: past the queue's delivery limit (20 by default on 4.x, none on 3.10) the
     broker dead-letters it into ``{prefix}.relay``, which waits it out as any early
     return."""

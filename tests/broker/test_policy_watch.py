@@ -12,16 +12,20 @@ import http.server
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
+import aio_pika
 import pytest
-from support import Relays, hopsched_cli
+from support import Cleanup, Relays, hopsched_cli
 
 import hopsched
+from hopsched.broker.idle_consumers import IdleConsumers, takes_credit
 from hopsched.broker.management import ManagementClient, management_urls
 from hopsched.broker.objects import declare_topology
 from hopsched.broker.policy_watch import UNCHECKED_TOUCH_INTERVAL_S, PolicyWatch
+from hopsched.connect import Connector
 from hopsched.errors import ManagementAPIError
 from hopsched.testing.localbroker import free_port
 
@@ -315,3 +319,49 @@ async def test_the_watch_says_a_risk_at_once_again_each_interval_and_when_it_is_
     assert stats.policy_risks == {"loss": 0, "stall": 0, "hops": 0}
     assert watch.report is not None
     assert watch.report.expires_ms == {}
+
+
+async def test_a_consumer_without_credit_keeps_a_quorum_queue_in_use_and_takes_nothing(
+    settings: hopsched.Settings,
+    amqp: aio_pika.abc.AbstractConnection,
+    cleanup: Cleanup,
+) -> None:
+    """RabbitMQ 3.x: a queue with an ``expires`` of 3 s outlives it three times over under
+    the consumer, and its messages are dead-lettered by their TTL, never to it (a
+    ``basic.get`` returned head came back up to 8 s late on 3.10.8). RabbitMQ 4.x
+    ignores ``x-credit``: ``keep`` says so and attaches nothing (the watch then uses
+    ``basic.get``, whose returned heads 4.0.5 expires on time)."""
+    queue, dead = f"{settings.prefix}.kept", f"{settings.prefix}.dead"
+    cleanup.queues.update({queue, dead})
+    channel = await amqp.channel()
+    await channel.declare_queue(dead, durable=True, arguments={"x-queue-type": "quorum"})
+    arguments = {"x-queue-type": "quorum", "x-expires": 3000, "x-message-ttl": 1000}
+    arguments |= {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dead}
+    await channel.declare_queue(queue, durable=True, arguments=arguments)
+    connection = await Connector(settings, name="hopsched-test").connect()
+    credit = takes_credit(connection.server_properties)
+    await connection.close()
+
+    consumers = IdleConsumers(settings)
+    try:
+        assert await consumers.keep(queue) is credit
+        if not credit:
+            assert consumers.kept == frozenset()
+            return
+        sent = {}
+        for index in range(5):
+            sent[b"%d" % index] = time.monotonic()
+            await channel.default_exchange.publish(aio_pika.Message(b"%d" % index), queue)
+        dead_lettered: dict[bytes, float] = {}
+        async with (await channel.get_queue(dead)).iterator() as messages:
+            async for message in messages:
+                dead_lettered[message.body] = time.monotonic()
+                await message.ack()
+                if len(dead_lettered) == len(sent):
+                    break
+        assert all(dead_lettered[body] - sent[body] >= 0.99 for body in sent)  # by TTL
+        await asyncio.sleep(9.0 - (time.monotonic() - min(sent.values())))
+        await channel.declare_queue(queue, passive=True)  # still there: 404 if deleted
+        assert consumers.kept == frozenset({queue})
+    finally:
+        await consumers.close()

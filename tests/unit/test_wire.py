@@ -320,3 +320,22 @@ def test_properties_too_large_for_one_frame_are_refused_before_sending() -> None
 @given(value=st.integers(-(2**63), 2**63 - 1) | st.sampled_from(INTEGER_EDGES))
 def test_an_int_is_written_in_the_width_pamqp_picks(value: int) -> None:
     assert Table.from_dict({"n": value}).encode() == encode.field_table({"n": value})
+
+
+@given(
+    queue=st.from_regex(r"[a-zA-Z0-9_.:-]{1,255}", fullmatch=True),  # names pamqp allows
+    tag=st.text(alphabet="abcdef0123456789-", min_size=1, max_size=40),
+    channel=st.integers(1, 65535),
+    credit=st.integers(0, 2**31 - 1),
+)
+def test_a_consume_with_credit_reads_as_a_basic_consume_with_a_64_bit_credit(
+    queue: str, tag: str, channel: int, credit: int
+) -> None:
+    """RabbitMQ 3.x reads ``x-credit``'s credit only as a 64-bit ``l`` field."""
+    encoded = wire.credit_consume_frame(channel, queue, tag, credit)
+    consumed, number, method = frame.unmarshal(encoded)
+    assert (consumed, number) == (len(encoded), channel)
+    assert isinstance(method, commands.Basic.Consume)
+    assert (method.queue, method.consumer_tag, method.no_ack) == (queue, tag, False)
+    assert method.arguments == {"x-credit": {"credit": credit, "drain": False}}
+    assert b"creditl" + struct.pack(">q", credit) in encoded

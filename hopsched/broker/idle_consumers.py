@@ -1,0 +1,148 @@
+"""Consumers that take nothing: what keeps a quorum queue in use on RabbitMQ 3.x.
+
+A quorum queue's ``expires`` lease counts a consumer (``rabbit_fifo:is_expired``: no
+consumer, and no ``basic.get`` for the lease). A consumer given no credit (RabbitMQ 3.x's
+``x-credit`` with credit 0, ``hopsched.amqp.wire.credit_consume_frame``) is one that
+never gets a message: the queue's messages expire and are dead-lettered on time under
+it (measured on 3.10.8: a 2 s TTL dead-lettered at 2.01 s, and the queue outlived an
+8 s ``expires``). The alternative, a ``basic.get`` whose message is returned, makes a
+busy step's returned head expire up to 8 s late on 3.10.8.
+
+RabbitMQ 4.x ignores ``x-credit`` (measured on 4.0.5: the consumer got every message),
+so ``IdleConsumers`` attaches only to brokers older than 4.0 and, should one deliver
+anyway, returns that message, cancels, and is not used on that connection again: the
+caller then keeps the queue in use its other way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+
+from hopsched import amqp
+from hopsched.connect import Connector
+from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
+from hopsched.settings import Settings
+
+__all__ = ["IdleConsumers", "takes_credit"]
+
+log = logging.getLogger("hopsched.policies")
+
+#: How long closing the connection may take, s (a broker that never answers).
+CLOSE_TIMEOUT_S = 2.0
+
+
+def takes_credit(server_properties: dict[str, object]) -> bool:
+    """Whether a broker honours ``x-credit`` on ``basic.consume``: RabbitMQ before 4.0
+    (``connection.start``'s ``product`` and ``version``)."""
+    product = server_properties.get("product")
+    version = server_properties.get("version")
+    if isinstance(product, bytes):
+        product = product.decode(errors="replace")
+    if isinstance(version, bytes):
+        version = version.decode(errors="replace")
+    if product != "RabbitMQ" or not isinstance(version, str):
+        return False
+    major = re.match(r"(\d+)\.", version)
+    return major is not None and int(major.group(1)) < 4
+
+
+class IdleConsumers:
+    """One consumer without credit per queue kept, on a connection of its own.
+
+    Args:
+        settings: the relay's settings (its broker URLs).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._connection: amqp.Connection | None = None
+        self._channel: amqp.Channel | None = None
+        self._tags: dict[str, str] = {}  # queue -> its consumer's tag
+        self._refused = False  # this connection's broker delivered to one: not used again
+        self._cancels: set[asyncio.Task[None]] = set()
+
+    @property
+    def kept(self) -> frozenset[str]:
+        """The queues a consumer is on now."""
+        return frozenset(self._tags)
+
+    async def keep(self, queue: str) -> bool:
+        """Have a consumer without credit on ``queue``; False if this broker cannot
+        (RabbitMQ 4.x, or one that delivered to such a consumer): keep it in use
+        another way.
+
+        Raises:
+            BrokerUnavailableError: the broker cannot be reached.
+            ChannelClosedError: it refused the consume (e.g. 404: no such queue).
+        """
+        channel = await self._open()
+        if channel is None:
+            return False
+        if queue in self._tags:
+            return True
+        tag = await channel.consume(
+            queue, lambda delivery: self._delivered(channel, delivery), self._cancelled, credit=0
+        )
+        self._tags[queue] = tag
+        return True
+
+    async def release(self, queue: str) -> None:
+        """Take ``queue``'s consumer off, if it has one."""
+        tag = self._tags.pop(queue, None)
+        if tag is not None and self._channel is not None:
+            with contextlib.suppress(BrokerConnectionLost, ChannelClosedError):
+                await self._channel.cancel(tag)
+
+    async def close(self) -> None:
+        """Close the connection (every consumer goes with it)."""
+        connection, self._connection, self._channel = self._connection, None, None
+        self._tags.clear()
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), CLOSE_TIMEOUT_S)
+
+    async def _open(self) -> amqp.Channel | None:
+        if self._connection is not None and self._connection.closed.done():
+            await self.close()  # its consumers went with it
+        if self._connection is None:
+            self._refused = False
+            self._connection = await Connector(self.settings, name="hopsched-keep-in-use").connect()
+            if not takes_credit(self._connection.server_properties):
+                self._refused = True
+        if self._refused:
+            return None
+        if self._channel is None or self._channel.closed.done():
+            self._tags.clear()
+            self._channel = await self._connection.channel()
+            await self._channel.qos(1)  # should credit be ignored: one message, not all
+        return self._channel
+
+    def _delivered(self, channel: amqp.Channel, delivery: amqp.Delivery) -> None:
+        # A broker that gave credit it was not asked for: return the message (its TTL runs
+        # on) and stop using consumers on it.
+        channel.nack(delivery.delivery_tag, requeue=True)
+        if not self._refused:
+            self._refused = True
+            log.warning(
+                "the broker delivered to a consumer given no credit: queues are kept in "
+                "use by basic.get instead"
+            )
+        for tag in self._tags.values():
+            task = asyncio.ensure_future(self._cancel(channel, tag))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+        self._tags.clear()
+
+    async def _cancel(self, channel: amqp.Channel, tag: str) -> None:
+        with contextlib.suppress(BrokerConnectionLost, ChannelClosedError, BrokerUnavailableError):
+            await channel.cancel(tag)
+
+    def _cancelled(self, tag: str) -> None:
+        # The broker cancelled it (the queue deleted, its leader moved): attached again at
+        # the next keep.
+        for queue, kept in list(self._tags.items()):
+            if kept == tag:
+                del self._tags[queue]
