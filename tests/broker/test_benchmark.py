@@ -6,9 +6,13 @@ and writes the JSON fields and plots that ``benchmarks/README.md`` documents.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +36,24 @@ RUN_TIMEOUT_S = 270
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
-    )
+    """``command`` in a session of its own: a run over ``RUN_TIMEOUT_S`` is killed with
+    every process it started (its relay), not alone, and fails the test."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for signum, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signum)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    out, err = process.communicate(timeout=wait_s)
+                    break
+            pytest.fail(
+                f"{shlex.join(command)} ran over {RUN_TIMEOUT_S} s; it printed:\n{out}{err}"
+            )
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 FIELDS = (
