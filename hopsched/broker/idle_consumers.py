@@ -30,8 +30,9 @@ __all__ = ["IdleConsumers", "takes_credit"]
 
 log = logging.getLogger("hopsched.policies")
 
-#: How long closing the connection may take, s (a broker that never answers).
-CLOSE_TIMEOUT_S = 2.0
+#: How long cancelling the consumers, then closing the connection, may each take, s (a
+#: broker that never answers): within the 2 s a stopping relay gives its policy watch.
+CLOSE_TIMEOUT_S = 1.0
 
 
 def takes_credit(server_properties: dict[str, object]) -> bool:
@@ -83,10 +84,21 @@ class IdleConsumers:
             return False
         if queue in self._tags:
             return True
-        tag = await channel.consume(
-            queue, lambda delivery: self._delivered(channel, delivery), self._cancelled, credit=0
+
+        def delivered(delivery: amqp.Delivery) -> None:
+            self._delivered(channel, delivery)
+
+        consuming = asyncio.ensure_future(
+            channel.consume(queue, delivered, self._cancelled, credit=0)
         )
-        self._tags[queue] = tag
+        try:
+            self._tags[queue] = await asyncio.shield(consuming)
+        except asyncio.CancelledError:
+            # Stopped mid-consume (the relay stopping): the consumer is the broker's all the
+            # same, so its tag is kept for close() to cancel.
+            with contextlib.suppress(Exception):
+                self._tags[queue] = await consuming
+            raise
         return True
 
     async def release(self, queue: str) -> None:
@@ -97,12 +109,24 @@ class IdleConsumers:
                 await self._channel.cancel(tag)
 
     async def close(self) -> None:
-        """Close the connection (every consumer goes with it)."""
-        connection, self._connection, self._channel = self._connection, None, None
+        """Cancel every consumer, then close the connection, within ``CLOSE_TIMEOUT_S``.
+
+        Cancelled one by one first: a quorum queue's ``basic.cancel-ok`` comes once the
+        queue has removed the consumer, while one that goes with its connection stays
+        in the queue's consumer count for a while after (a ``teardown`` run just after
+        a relay stopped would count it and refuse)."""
+        connection, channel, tags = self._connection, self._channel, list(self._tags.values())
+        self._connection, self._channel = None, None
         self._tags.clear()
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(connection.close(), CLOSE_TIMEOUT_S)
+        if connection is None:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if channel is not None and not channel.closed.done():
+                    for tag in tags:
+                        await channel.cancel(tag)
+        with contextlib.suppress(Exception):
+            await connection.close(timeout_s=CLOSE_TIMEOUT_S)
 
     async def _open(self) -> amqp.Channel | None:
         if self._connection is not None and self._connection.closed.done():

@@ -473,13 +473,17 @@ class PolicyWatch:
         return self._channel
 
     async def _close(self) -> None:
-        """Close the touches' connection, within ``CLOSE_TIMEOUT_S``: a broker that never
-        answers ``connection.close`` must not hold up a relay's stop."""
-        await self._idle_consumers.close()
+        """Close the touches' connection and, at the same time, the consumers without
+        credit (``IdleConsumers.close``), each within ``CLOSE_TIMEOUT_S``: a broker that
+        never answers must not hold up a relay's stop."""
         connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and not connection.is_closed:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(connection.close(), CLOSE_TIMEOUT_S)
+
+        async def close_touches() -> None:
+            if connection is not None and not connection.is_closed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(connection.close(), CLOSE_TIMEOUT_S)
+
+        await asyncio.gather(self._idle_consumers.close(), close_touches())
 
 
 _TOUCH_ERRORS = (HopschedError, aiormq.exceptions.AMQPError, ConnectionError)

@@ -8,6 +8,7 @@ faults/test_policies.py (slow).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import logging
@@ -365,3 +366,17 @@ async def test_a_consumer_without_credit_keeps_a_quorum_queue_in_use_and_takes_n
         assert consumers.kept == frozenset({queue})
     finally:
         await consumers.close()
+    # Closed: no consumer left on it (a teardown right after a relay stopped counts them),
+    # also when the close comes while a consume is under way (a relay stopping mid-round).
+    assert (await channel.declare_queue(queue, passive=True)).declaration_result.consumer_count == 0
+    assert await consumers.keep(dead)  # the connection and channel open again
+    keeping = asyncio.ensure_future(consumers.keep(queue))
+    await asyncio.sleep(0)  # the consume sent, its consume-ok not read yet
+    keeping.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await keeping
+    assert consumers.kept == frozenset({queue, dead})
+    await consumers.close()
+    for name in (queue, dead):
+        declared = await channel.declare_queue(name, passive=True)
+        assert declared.declaration_result.consumer_count == 0
