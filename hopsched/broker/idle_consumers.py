@@ -10,8 +10,8 @@ busy step's returned head expire up to 8 s late on 3.10.8.
 
 RabbitMQ 4.x ignores ``x-credit`` (measured on 4.0.5: the consumer got every message),
 so ``IdleConsumers`` attaches only to brokers older than 4.0 and, should one deliver
-anyway, returns that message, cancels, and is not used on that connection again: the
-caller then keeps the queue in use its other way.
+anyway, returns that message, cancels, and is not used again: the caller then keeps the
+queue in use its other way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 
 from hopsched import amqp
 from hopsched.connect import Connector
-from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
+from hopsched.errors import BrokerConnectionLost, ChannelClosedError
 from hopsched.settings import Settings
 
 __all__ = ["IdleConsumers", "takes_credit"]
@@ -62,8 +62,10 @@ class IdleConsumers:
         self._connection: amqp.Connection | None = None
         self._channel: amqp.Channel | None = None
         self._tags: dict[str, str] = {}  # queue -> its consumer's tag
-        self._refused = False  # this connection's broker delivered to one: not used again
-        self._cancels: set[asyncio.Task[None]] = set()
+        # The broker is RabbitMQ 4.x, or delivered to such a consumer: for good (a broker
+        # upgraded to 4.x does not go back), so no connection is kept open for nothing.
+        self._refused = False
+        self._closing: set[asyncio.Future[None]] = set()
 
     @property
     def kept(self) -> frozenset[str]:
@@ -92,7 +94,10 @@ class IdleConsumers:
             channel.consume(queue, delivered, self._cancelled, credit=0)
         )
         try:
-            self._tags[queue] = await asyncio.shield(consuming)
+            tag = await asyncio.shield(consuming)
+            if self._refused:  # it delivered at once: all closed already, or closing
+                return False
+            self._tags[queue] = tag
         except asyncio.CancelledError:
             # Stopped mid-consume (the relay stopping): the consumer is the broker's all the
             # same, so its tag is kept for close() to cancel.
@@ -131,13 +136,14 @@ class IdleConsumers:
     async def _open(self) -> amqp.Channel | None:
         if self._connection is not None and self._connection.closed.done():
             await self.close()  # its consumers went with it
+        if self._refused:
+            return None
         if self._connection is None:
-            self._refused = False
             self._connection = await Connector(self.settings, name="hopsched-keep-in-use").connect()
             if not takes_credit(self._connection.server_properties):
                 self._refused = True
-        if self._refused:
-            return None
+                await self.close()
+                return None
         if self._channel is None or self._channel.closed.done():
             self._tags.clear()
             self._channel = await self._connection.channel()
@@ -154,15 +160,9 @@ class IdleConsumers:
                 "the broker delivered to a consumer given no credit: queues are kept in "
                 "use by basic.get instead"
             )
-        for tag in self._tags.values():
-            task = asyncio.ensure_future(self._cancel(channel, tag))
-            self._cancels.add(task)
-            task.add_done_callback(self._cancels.discard)
-        self._tags.clear()
-
-    async def _cancel(self, channel: amqp.Channel, tag: str) -> None:
-        with contextlib.suppress(BrokerConnectionLost, ChannelClosedError, BrokerUnavailableError):
-            await channel.cancel(tag)
+            closing = asyncio.ensure_future(self.close())  # every consumer, at once
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _cancelled(self, tag: str) -> None:
         # The broker cancelled it (the queue deleted, its leader moved): attached again at

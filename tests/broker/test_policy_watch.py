@@ -19,9 +19,13 @@ from typing import Any, ClassVar
 
 import aio_pika
 import pytest
-from support import Cleanup, Relays, hopsched_cli
+from pamqp import commands
+from support import Cleanup, Relays, hopsched_cli, until
 
 import hopsched
+from hopsched.amqp import channel as amqp_channel
+from hopsched.amqp.wire import method_frame
+from hopsched.broker import idle_consumers
 from hopsched.broker.idle_consumers import IdleConsumers, takes_credit
 from hopsched.broker.management import ManagementClient, management_urls
 from hopsched.broker.objects import declare_topology
@@ -380,3 +384,40 @@ async def test_a_consumer_without_credit_keeps_a_quorum_queue_in_use_and_takes_n
     for name in (queue, dead):
         declared = await channel.declare_queue(name, passive=True)
         assert declared.declaration_result.consumer_count == 0
+
+
+async def test_a_broker_that_delivers_to_a_consumer_without_credit_gets_it_back_and_no_more(
+    settings: hopsched.Settings,
+    amqp: aio_pika.abc.AbstractConnection,
+    cleanup: Cleanup,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker that ignores the credit (a plain ``basic.consume`` here, as RabbitMQ 4.x
+    reads the one with ``x-credit``; 3.10.8 closes the connection for a credit above 0,
+    INTERNAL_ERROR): the message is returned to its queue, not held or lost, the
+    consumers go, and the watch keeps the queues in use by ``basic.get`` from then on."""
+    queue = f"{settings.prefix}.kept"
+    cleanup.queues.add(queue)
+    channel = await amqp.channel()
+    await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+    await channel.default_exchange.publish(aio_pika.Message(b"head"), queue)
+
+    def ignored_credit(number: int, queue: str, tag: str, credit: int) -> bytes:
+        return method_frame(number, commands.Basic.Consume(queue=queue, consumer_tag=tag))
+
+    monkeypatch.setattr(amqp_channel, "credit_consume_frame", ignored_credit)
+    monkeypatch.setattr(idle_consumers, "takes_credit", lambda properties: True)
+    caplog.set_level(logging.WARNING, logger="hopsched.policies")
+    consumers = IdleConsumers(settings)
+    try:
+        await consumers.keep(queue)  # True, or False if the message came before consume-ok
+        await until(lambda: not consumers.kept, within=30)
+        assert not await consumers.keep(queue)
+    finally:
+        await consumers.close()
+    got = await (await channel.get_queue(queue)).get(timeout=10)
+    assert got.body == b"head"
+    await got.ack()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "hopsched.policies"]
+    assert line.startswith("the broker delivered to a consumer given no credit")
