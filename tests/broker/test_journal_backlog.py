@@ -14,7 +14,7 @@ import time
 
 import aio_pika
 import pytest
-from support import Relays, Targets, until
+from support import Relays, Targets, explain_missing, until
 
 import hopsched
 from hopsched.broker.objects import declare_topology
@@ -83,7 +83,12 @@ async def test_schedules_the_journal_did_not_take_are_known_once_it_takes_writes
         assert (scheduler.journal_rewritten, scheduler.journal_dropped) == (COUNT, 0)
         assert any("takes writes again" in r.getMessage() for r in caplog.records)
 
-    await target.wait_for_ids({one.schedule_id for one in scheduled}, within=60)
+    wanted = {one.schedule_id for one in scheduled}
+    try:
+        await target.wait_for_ids(wanted, within=60)
+    except pytest.fail.Exception:
+        await explain_missing(settings, target, wanted, relays)
+        raise
     target.assert_never_early()
     assert len({r.schedule_id for r in target.received}) == COUNT + 1  # "before" too
 

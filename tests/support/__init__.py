@@ -368,6 +368,28 @@ async def queue_arguments(vhost: str = "/") -> dict[str, dict[str, tuple[str, An
     }
 
 
+async def explain_missing(
+    settings: hopsched.Settings, target: Collector, wanted: Iterable[str], relays: Relays
+) -> None:
+    """Print where ids not yet delivered may be, for a failure's report (asserts nothing):
+    the ids, every queue of the prefix with its counts (``messages_dlx``: dead-letters a
+    quorum step's at-least-once worker still holds; RabbitMQ 3.x lacks the column), and
+    each running relay's counters."""
+    missing = sorted(set(wanted) - set(target.counts()))
+    print(f"\nmissing {len(missing)}: {missing[:10]}")
+    if rabbitmqctl_command() is not None:
+        columns = ["name", "messages", "messages_ready", "messages_unacknowledged", "consumers"]
+        for extra in (["messages_dlx"], []):
+            command = [*(rabbitmqctl_command() or []), "list_queues", "-q", *columns, *extra]
+            status, out, err = await run_bounded(command, within=60)
+            if status == 0:
+                print("\n".join(line for line in out.splitlines() if settings.prefix in line))
+                break
+            print(f"list_queues {extra}: exit {status}: {err.strip().splitlines()[:1]}")
+    for relay in relays.tasks:
+        print(f"relay {relay.settings.prefix}: {relay.stats.snapshot().counters}")
+
+
 class Cleanup:
     """Names to delete after the test: queues and exchanges, including a whole topology."""
 
