@@ -153,6 +153,7 @@ async def relay_hops(
     stamped: bool = False,
     signing_key: str | None = None,
     deliver: bool = False,
+    relay_url: str | None = None,
 ) -> dict[str, Any]:
     """Fill ``{prefix}.relay`` with ``count`` envelopes due in 1 h, start ``relays`` relay
     processes on it (competing consumers of the one relay queue; ``relay_args``: more
@@ -163,7 +164,9 @@ async def relay_hops(
     holds it and requires signatures (``HOPSCHED_SIGNING_KEYS``,
     ``HOPSCHED_REQUIRE_SIGNATURES``). ``deliver``: the envelopes are due already and
     the relay delivers each to the queue ``{prefix}-target`` instead (the final publish,
-    where a relay verifies a signature's MAC)."""
+    where a relay verifies a signature's MAC). ``relay_url``: the relays' ``--url``
+    (a cluster's nodes, comma-separated: each relay starts at a random one), where
+    ``url`` is the node this process fills and watches through."""
     keys = () if signing_key is None else (signing_key,)
     settings = hopsched.Settings(url=url, prefix=prefix, prefetch=prefetch, signing_keys=keys)
     relay_env = dict(os.environ)
@@ -204,7 +207,7 @@ async def relay_hops(
         await _fill(channel, topology.relay_queue, count, envelope, progress, label)
         for _ in range(relays):
             relay = await asyncio.create_subprocess_exec(
-                *relay_command(url, prefix, prefetch, "quorum", *relay_args),
+                *relay_command(relay_url or url, prefix, prefetch, "quorum", *relay_args),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
                 env=relay_env,
             )  # fmt: skip
