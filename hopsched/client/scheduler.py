@@ -514,19 +514,21 @@ class Scheduler:
                     user=envelope.user,
                 )
             )
-        journaled = asyncio.ensure_future(self._write_journal(records))
+        if not replace:  # no task of its own: one schedule() is one confirm after another
+            await self._write_journal(records)
+            return
+        journaled = asyncio.ensure_future(self._write_journal(records))  # beside the cancel
         try:
-            if replace:
-                older = [Record(CANCEL, r.schedule_id, r.created_us - 1) for r in records]
-                try:
-                    await self._write_records(older)
-                except HopschedError as error:
-                    error.add_note(
-                        "the new message is scheduled; the older ones of its id may still be "
-                        "delivered: cancel them with cancel(id) (it takes the new one too) or "
-                        "schedule again with replace=True"
-                    )
-                    raise
+            older = [Record(CANCEL, r.schedule_id, r.created_us - 1) for r in records]
+            try:
+                await self._write_records(older)
+            except HopschedError as error:
+                error.add_note(
+                    "the new message is scheduled; the older ones of its id may still be "
+                    "delivered: cancel them with cancel(id) (it takes the new one too) or "
+                    "schedule again with replace=True"
+                )
+                raise
         finally:
             await journaled
 
