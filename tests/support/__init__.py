@@ -373,8 +373,8 @@ async def explain_missing(
 ) -> None:
     """Print where ids not yet delivered may be, for a failure's report (asserts nothing):
     the ids, every queue of the prefix with its counts (``messages_dlx``: dead-letters a
-    quorum step's at-least-once worker still holds; RabbitMQ 3.x lacks the column), and
-    each running relay's counters."""
+    quorum step's at-least-once worker still holds, where ``list_queues`` has the column),
+    and each running relay's held, in-flight and parked messages and counters."""
     missing = sorted(set(wanted) - set(target.counts()))
     print(f"\nmissing {len(missing)}: {missing[:10]}")
     if rabbitmqctl_command() is not None:
@@ -387,7 +387,12 @@ async def explain_missing(
                 break
             print(f"list_queues {extra}: exit {status}: {err.strip().splitlines()[:1]}")
     for relay in relays.tasks:
-        print(f"relay {relay.settings.prefix}: {relay.stats.snapshot().counters}")
+        now = relay.stats.snapshot()
+        parked = {kind.value: n for kind, n in now.parked_by_kind.items() if n}
+        print(
+            f"relay {relay.settings.prefix}: held {now.held}, in flight {now.in_flight}, "
+            f"parked {parked}, {now.counters}"
+        )
 
 
 class Cleanup:
