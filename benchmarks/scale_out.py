@@ -11,7 +11,8 @@ relay queue's leader does the work), not a real cluster's size.
     python -P benchmarks/scale_out.py [--count 20000] [--relays 1,2,4] [--rounds 2]
 
 ``HOPSCHED_RABBITMQ_ROOT`` picks the RabbitMQ installation (``hopsched.testing.localbroker``).
-Writes ``benchmarks/results/scale-out/result.json`` and ``table.md`` (``--out``).
+Writes ``result.json`` and ``table.md`` to ``benchmarks/results/scale-out/rabbitmq-VERSION/``
+(``--out``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ async def main() -> None:
     parser.add_argument("--count", type=int, default=20_000, help="Envelopes per run.")
     parser.add_argument("--relays", default="1,2,4", help="Relay processes per run.")
     parser.add_argument("--rounds", type=int, default=2, help="Runs per relay count.")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scale-out")
+    parser.add_argument("--out", type=Path, help="Default: results/scale-out/rabbitmq-VERSION.")
     args = parser.parse_args()
     counts = [int(n) for n in args.relays.split(",")]
     progress = Progress(10.0)
@@ -138,6 +139,9 @@ async def main() -> None:
         "CPU over the run (fill, deliveries, clean-up); the first node is where the "
         "relay queue was declared (its leader: queue_leader_locator client-local)",
     }
+    if args.out is None:
+        version = f"rabbitmq-{result['rabbitmq']}"
+        args.out = Path(__file__).parent / "results" / "scale-out" / version
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "table.md").write_text(table(result))

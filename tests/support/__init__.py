@@ -377,10 +377,11 @@ async def explain_missing(
     and each running relay's held, in-flight and parked messages and counters."""
     missing = sorted(set(wanted) - set(target.counts()))
     print(f"\nmissing {len(missing)}: {missing[:10]}")
-    if rabbitmqctl_command() is not None:
+    rabbitmqctl = rabbitmqctl_command()
+    if rabbitmqctl is not None:
         columns = ["name", "messages", "messages_ready", "messages_unacknowledged", "consumers"]
         for extra in (["messages_dlx"], []):
-            command = [*(rabbitmqctl_command() or []), "list_queues", "-q", *columns, *extra]
+            command = [*rabbitmqctl, "list_queues", "-q", *columns, *extra]
             status, out, err = await run_bounded(command, within=60)
             if status == 0:
                 print("\n".join(line for line in out.splitlines() if settings.prefix in line))
