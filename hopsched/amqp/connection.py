@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
+import socket
 import ssl
 import time
 from collections import deque
@@ -128,51 +130,95 @@ class ConnectionParams:
 async def connect(
     params: ConnectionParams, *, name: str = "hopsched", timeout_s: float = 10.0
 ) -> Connection:
-    """Open a connection: TCP (or TLS), the AMQP handshake, ``connection.open``.
+    """Open a connection: TCP, then TLS for ``amqps://``, the AMQP handshake,
+    ``connection.open``; all within ``timeout_s``. A connect that raises leaves no
+    socket open: it closes its own before raising, not in a later loop callback.
 
     Raises:
-        BrokerUnavailableError: no AMQP handshake within ``timeout_s``, login refused,
-            vhost missing or not allowed; the text names the masked URL.
+        BrokerUnavailableError: no TCP connection, TLS handshake or AMQP handshake
+            within ``timeout_s`` (the text says which), login refused, vhost missing or
+            not allowed; the text names the masked URL.
         OSError: the TCP connect failed, or TLS did (``ssl.SSLError``, also for a client
             certificate the broker refuses after the handshake, as TLS 1.3 does).
     """
     loop = asyncio.get_running_loop()
     connection = Connection(params, name=params.name or name)
+    timed_out = (
+        f"{params.masked_url}: no TCP connection within {timeout_s:g} s (a firewall "
+        "dropping packets, or a host that is down)"
+    )
+    sock: socket.socket | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            await loop.create_connection(
-                lambda: connection,
-                params.host,
-                params.port,
-                ssl=params.ssl_context(),
-                server_hostname=params.host if params.tls else None,
-            )
+            if params.tls:  # TCP first: a timeout in TLS is not one in TCP
+                sock = await _tcp_connected(params.host, params.port)
+                timed_out = silent_peer(params.masked_url, timeout_s, "TLS")
+                await loop.create_connection(
+                    lambda: connection,
+                    sock=sock,
+                    ssl=params.ssl_context(),
+                    server_hostname=params.host,
+                )
+            else:
+                await loop.create_connection(lambda: connection, params.host, params.port)
+            timed_out = silent_peer(params.masked_url, timeout_s, "AMQP")
             await connection._handshake()
-    except TimeoutError:
+    except BaseException as error:
         connection.abort()
-        if connection._transport is None:
-            raise BrokerUnavailableError(
-                f"{params.masked_url}: no TCP connection within {timeout_s:g} s (a firewall "
-                "dropping packets, or a host that is down)"
-            ) from None
-        raise BrokerUnavailableError(silent_peer(params.masked_url, timeout_s)) from None
-    except BaseException:
-        connection.abort()
+        # asyncio closes the socket of a connect it gave up on, and abort() closes ours,
+        # in a loop callback queued by now: run it, so that nothing is left open for a
+        # loop that ends first (seen in CI: the garbage collector found it open).
+        with contextlib.suppress(BaseException):
+            await asyncio.sleep(0)
+        if sock is not None and sock.fileno() != -1:  # not taken by a transport
+            sock.close()
+        if isinstance(error, TimeoutError):
+            raise BrokerUnavailableError(timed_out) from None
         raise
     return connection
 
 
-def silent_peer(masked_url: str, timeout_s: float) -> str:
-    """The error text for a peer that took the TCP connection but sent no AMQP
-    ``connection.start`` within ``timeout_s``: most often a RabbitMQ that cannot answer
-    (frozen, overloaded, out of file descriptors: it accepts connections it never
-    serves), less often a port that is not AMQP's (a peer speaking something else
-    usually answers, and that is reported as malformed AMQP data)."""
+async def _tcp_connected(host: str, port: int) -> socket.socket:
+    """A TCP connection to the first of ``host``'s addresses that takes one.
+
+    Raises:
+        OSError: none did (the first address's error, or all of them if they differ).
+    """
+    loop = asyncio.get_running_loop()
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in await loop.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    ):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as error:
+            sock.close()
+            errors.append(error)
+        except BaseException:
+            sock.close()
+            raise
+    if len({str(error) for error in errors}) <= 1:
+        raise errors[0] if errors else OSError(f"{host}: no address to connect to")
+    raise OSError(f"Multiple exceptions: {', '.join(map(str, errors))}")
+
+
+def silent_peer(masked_url: str, timeout_s: float, handshake: str = "AMQP") -> str:
+    """The error text for a peer that took the TCP connection but completed no
+    ``handshake`` (TLS, or AMQP's ``connection.start``) within ``timeout_s``: most
+    often a RabbitMQ that cannot answer (frozen, overloaded, out of file descriptors:
+    it accepts connections it never serves), less often a port that is not the one
+    meant (a peer speaking something else usually answers, and that is reported as
+    malformed AMQP data or a TLS error)."""
+    port = "5672, or 5671 for amqps" if handshake == "AMQP" else "5671 by default"
+    sent = "sent no AMQP handshake" if handshake == "AMQP" else "completed no TLS handshake"
     return (
-        f"{masked_url}: took the TCP connection but sent no AMQP handshake within "
+        f"{masked_url}: took the TCP connection but {sent} within "
         f"{timeout_s:g} s. A RabbitMQ that is frozen, overloaded or out of file "
         "descriptors does this (see its log, `rabbitmqctl status`); otherwise check that "
-        "this is its AMQP port (5672, or 5671 for amqps)"
+        f"this is its {handshake} port ({port})"
     )
 
 
@@ -199,6 +245,7 @@ class Connection(asyncio.BufferedProtocol):
         self.on_blocked: list[Callable[[str | None], None]] = []
         self._loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[BrokerConnectionLost] = self._loop.create_future()
+        self._lost = self._loop.create_future()  # done once the transport's socket is closed
         self._transport: asyncio.Transport | None = None
         self._reader = FrameReader()
         # Reads go into this one buffer (``recv_into``): asyncio's plain protocols get a
@@ -254,6 +301,8 @@ class Connection(asyncio.BufferedProtocol):
             self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self._lost.done():
+            self._lost.set_result(None)
         if self.closed.done():
             error = self.closed.result()
         else:
@@ -528,6 +577,9 @@ class Connection(asyncio.BufferedProtocol):
         """
         if self.closed.done() or self._transport is None:
             self.abort()
+            if self._transport is not None:  # lost already, or being closed: its socket too
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._lost), timeout_s)
             return
         self._close_ok = self._loop.create_future()
         self.send(
@@ -545,13 +597,17 @@ class Connection(asyncio.BufferedProtocol):
         try:
             async with asyncio.timeout(timeout_s):
                 await self._close_ok
+                # TLS closes with its own exchange (close_notify) after close-ok: the
+                # socket is open until then, and a loop that ended first left it to the
+                # garbage collector (seen in CI)
+                self._transport.close()
+                await asyncio.shield(self._lost)
         except (TimeoutError, BrokerConnectionLost):
             # No close-ok: a blocked broker reads nothing more, so transport.close()
             # would wait for ever to send what is still buffered; drop it instead.
             self.abort()
-            return
-        if self._transport is not None:
-            self._transport.close()
+            with contextlib.suppress(BaseException):
+                await asyncio.sleep(0)  # abort() closes the socket in a callback queued now
 
 
 def _client_properties(name: str) -> dict[str, Any]:

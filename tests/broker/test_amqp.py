@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -31,6 +34,7 @@ from support.amqp import (
     open_connection,
     unique,
 )
+from support.tls import make_certificates, sockets_to
 
 import hopsched
 import hopsched.connect
@@ -161,6 +165,70 @@ async def test_a_silent_endpoint_fails_within_the_timeout() -> None:
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+@dataclass
+class TlsEndpoints:
+    """``start(kind)`` starts a local TLS endpoint and returns its port: ``untrusted``
+    (its certificate is of a CA the client does not know), ``client-cert`` (requires a
+    client certificate, which the client lacks) or ``silent`` (takes TCP, never answers
+    the TLS hello). ``cafile`` is the CA that signed its certificate."""
+
+    start: Callable[[str], Awaitable[int]]
+    cafile: str
+
+
+@pytest.fixture
+async def tls_endpoints(tmp_path: Path) -> AsyncIterator[TlsEndpoints]:
+    """Local TLS endpoints; see ``TlsEndpoints``."""
+    files = make_certificates(tmp_path, "nobody")
+    held: list[asyncio.StreamWriter] = []
+    servers: list[asyncio.Server] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    async def start(kind: str) -> int:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(files["server.pem"], files["server.key"])
+        if kind == "client-cert":
+            context.load_verify_locations(files["ca.pem"])
+            context.verify_mode = ssl.CERT_REQUIRED
+        tls = None if kind == "silent" else context
+        server = await asyncio.start_server(hold, "127.0.0.1", 0, ssl=tls)
+        servers.append(server)
+        return int(server.sockets[0].getsockname()[1])
+
+    yield TlsEndpoints(start, files["ca.pem"])
+    for writer in held:
+        writer.close()
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("untrusted", r"CERTIFICATE_VERIFY_FAILED"),
+        ("client-cert", r"CERTIFICATE_REQUIRED|HANDSHAKE_FAILURE|closed the connection"),
+        ("silent", r"took the TCP connection but completed no TLS handshake within 0.5 s"),
+    ],
+)
+async def test_a_failed_tls_connect_leaves_no_socket_open(
+    tls_endpoints: TlsEndpoints, kind: str, error: str
+) -> None:
+    """A TLS connect that fails, in the handshake or by its timeout, has closed its
+    socket when it raises. Before, asyncio closed it in a later loop callback: a test
+    loop that ended first left it to the garbage collector (a ResourceWarning that
+    failed a CI run), and a relay retrying such a broker would pile them up. A TLS
+    timeout also said "no TCP connection" for a peer that had taken it."""
+    port = await tls_endpoints.start(kind)
+    cafile = "" if kind == "untrusted" else f"?cafile={quote(tls_endpoints.cafile)}"
+    url = f"amqps://guest:guest@127.0.0.1:{port}/{cafile}"
+    with pytest.raises((ssl.SSLError, BrokerUnavailableError), match=error):
+        await amqp.connect(amqp.ConnectionParams.from_url(url), timeout_s=0.5)
+    assert sockets_to(port) == []
 
 
 # --- channels and confirms ----------------------------------------------------------------

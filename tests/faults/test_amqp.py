@@ -16,7 +16,6 @@ import asyncio
 import os
 import signal
 import ssl
-import subprocess
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -34,6 +33,7 @@ from support.amqp import (
     open_connection,
 )
 from support.private_nodes import PrivateBroker, freeze, require_rabbitmq, seen_by_nodes
+from support.tls import make_certificates, sockets_to
 
 import hopsched
 import hopsched.connect
@@ -106,32 +106,6 @@ async def test_a_special_vhost_and_a_broker_with_small_limits(
 # --- TLS ----------------------------------------------------------------------------------
 
 
-def make_certificates(directory: Path, client_cn: str) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate
-    with CN ``client_cn``, made with openssl in ``directory``."""
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    files = {name: str(directory / name) for name in ("ca.pem", "ca.key")}
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-        "-subj", "/CN=hopsched-amqp-test-ca", "-keyout", files["ca.key"],
-        "-out", files["ca.pem"])  # fmt: skip
-    for name, cn, extension in (
-        ("server", "localhost", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"),
-        ("client", client_cn, "extendedKeyUsage=clientAuth\n"),
-    ):
-        key, csr, pem = (str(directory / f"{name}.{kind}") for kind in ("key", "csr", "pem"))
-        ext = directory / f"{name}.ext"
-        ext.write_text(extension)
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}",
-            "-keyout", key, "-out", csr)  # fmt: skip
-        run("x509", "-req", "-in", csr, "-CA", files["ca.pem"], "-CAkey", files["ca.key"],
-            "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", pem)  # fmt: skip
-        files[f"{name}.pem"], files[f"{name}.key"] = pem, key
-    return files
-
-
 def tls_config(port: int, files: dict[str, str], *, require_client_cert: bool) -> str:
     """The node's TLS listener, with ``files`` (in ``node_tmp_path``) as the node sees them."""
     return f"""
@@ -172,9 +146,11 @@ async def test_tls_with_plain_login(start_private_broker: StartBroker, node_tmp_
         assert outcomes.outcome(0) is Outcome.ACK
     finally:
         await connection.close()
+    assert sockets_to(port) == []  # closed with TLS's close_notify, not left to the loop
 
     with pytest.raises(ssl.SSLCertVerificationError, match="CERTIFICATE_VERIFY_FAILED"):
         await open_connection(base)
+    assert sockets_to(port) == []
     connector = hopsched.connect.Connector(hopsched.Settings(url=base), name="test")
     with pytest.raises(BrokerUnavailableError, match="TLS handshake failed") as caught:
         await connector.connect()
@@ -188,6 +164,7 @@ async def test_tls_with_plain_login(start_private_broker: StartBroker, node_tmp_
     external = f"{base}?{urlencode({'auth': 'external', 'cafile': files['ca.pem']})}"
     with pytest.raises(BrokerUnavailableError, match="not EXTERNAL"):
         await open_connection(external)
+    assert sockets_to(port) == []
 
 
 def require_ssl_plugin() -> None:
@@ -244,6 +221,7 @@ async def test_tls_with_external_login(
         assert outcomes.outcome(0) is Outcome.ACK
     finally:
         await connection.close()
+    assert sockets_to(port) == []  # closed with TLS's close_notify, not left to the loop
 
     without_cert = (
         f"amqps://127.0.0.1:{port}/?{urlencode({'auth': 'external', 'cafile': files['ca.pem']})}"
@@ -251,6 +229,7 @@ async def test_tls_with_external_login(
     # TLS 1.3 completes the client's handshake first; the broker's alert comes after it
     with pytest.raises(ssl.SSLError, match=r"CERTIFICATE_REQUIRED|HANDSHAKE_FAILURE"):
         await open_connection(without_cert)
+    assert sockets_to(port) == []
     # Settings refuse it before any connection: EXTERNAL needs a client certificate
     with pytest.raises(hopsched.InvalidSettingsError, match="give certfile"):
         hopsched.Settings(url=without_cert)
