@@ -224,7 +224,8 @@ class Scheduler:
 
     @property
     def journal_rewritten(self) -> int:
-        """Records written on a later try, after a write of them had failed."""
+        """Records written on a later try, after a write of them had failed or was cut
+        short (a cancelled ``schedule()``)."""
         return self._journal_retry.rewritten
 
     async def __aenter__(self) -> Scheduler:
@@ -434,7 +435,8 @@ class Scheduler:
         A call that raised ``PublishTimeoutError`` or ``BrokerConnectionLost``, or that
         was cancelled, may still be delivered: the broker may have taken the message.
         Schedule it again with the same ``schedule_id`` and ``replace=True``: then one
-        is delivered, not two.
+        is delivered, not two. A call cancelled after the broker confirmed its message
+        still has its journal record written (in the background), so ``get()`` knows it.
         """
         _require_flags(declare=declare, check_target=check_target, replace=replace)
         if replace and schedule_id is None:
@@ -538,7 +540,11 @@ class Scheduler:
         again in the background (``JournalRetry``), which this call does not await."""
         if not records:
             return
-        failed, why = await self._journal_write(records, self.settings.publish_timeout_s)
+        try:
+            failed, why = await self._journal_write(records, self.settings.publish_timeout_s)
+        except asyncio.CancelledError:  # the messages are scheduled: their records stay
+            self._journal_retry.resend(records)
+            raise
         if failed:
             self._journal_retry.keep(failed, why)
         else:

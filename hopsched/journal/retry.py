@@ -69,7 +69,8 @@ class JournalRetry:
 
     @property
     def rewritten(self) -> int:
-        """Records written on a later try, after a write of them had failed."""
+        """Records written on a later try, after a write of them had failed or was cut
+        short."""
         return self._rewritten
 
     def keep(self, records: list[JournalRecord], why: str) -> None:
@@ -92,6 +93,14 @@ class JournalRetry:
             )
         else:
             log.debug("the journal did not take %d records (%s)", len(records), why)
+        self._try_soon(wait=True)
+
+    def resend(self, records: list[JournalRecord]) -> None:
+        """Have records written in the background whose write was cut short (a
+        ``schedule()`` cancelled after the broker confirmed its message): taken or not,
+        nobody knows; twice is harmless (the fold keeps one state per id). Not logged:
+        the journal refused nothing."""
+        self._backlog.add(records)
         self._try_soon(wait=True)
 
     def written(self) -> None:

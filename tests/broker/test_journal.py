@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import aio_pika
 import pytest
@@ -19,7 +22,8 @@ import hopsched
 from hopsched.core.cancel import CANCEL
 from hopsched.core.clock import now_us
 from hopsched.core.ladder import MAX_STEP_MS
-from hopsched.journal.records import CANCELLED, DELIVERED, HELD, PARKED, PENDING
+from hopsched.journal.backlog import FIRST_WAIT_S
+from hopsched.journal.records import CANCELLED, DELIVERED, HELD, PARKED, PENDING, JournalRecord
 
 S = 1_000_000
 
@@ -101,6 +105,42 @@ async def test_replace_leaves_exactly_one_schedule_the_newest(
     await target.settle(0.5)
     assert [r.body for r in target.received] == [b"retry", b"retry"]
     target.assert_never_early()
+
+
+async def test_a_schedule_cancelled_before_its_journal_write_is_known_all_the_same(
+    scheduler: hopsched.Scheduler, targets: Targets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``schedule()`` cancelled after the broker confirmed its message and before its
+    journal record was written (held here until the cancel, so that it lands there):
+    the message is scheduled, so its record is written in the background, and get()
+    says pending. Before, the record went with the cancelled call: get() never knew a
+    pending message."""
+    target = await targets.queue()
+    started = asyncio.Event()
+    write = scheduler._journal_write
+
+    async def held(records: Sequence[JournalRecord], timeout_s: float) -> tuple[Any, str]:
+        started.set()
+        await asyncio.Event().wait()  # until cancelled
+        return await write(records, timeout_s)
+
+    monkeypatch.setattr(scheduler, "_journal_write", held)
+    schedule_id = str(uuid.uuid4())
+    call = asyncio.ensure_future(
+        scheduler.schedule(
+            b"cut short", delay=600, routing_key=target.name, schedule_id=schedule_id
+        )
+    )
+    await asyncio.wait_for(started.wait(), 30)  # the broker confirmed the message
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+    await until(lambda: scheduler.journal_rewritten == 1, within=FIRST_WAIT_S + 30)
+    info = await scheduler.get(schedule_id)
+    assert info is not None
+    assert (info.state, info.routing_key, info.size) == (PENDING, target.name, 9)
+    assert (scheduler.journal_backlog, scheduler.journal_dropped) == (0, 0)
 
 
 async def test_replace_needs_a_schedule_id(scheduler: hopsched.Scheduler) -> None:
