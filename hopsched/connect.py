@@ -196,6 +196,12 @@ def unreachable(
     url = settings.urls[0] if url is None else url
     masked = mask_url(url)
     reason = _reason(error, settings)
+    if isinstance(error, ssl.SSLError) and error.reason in _NOT_TLS_REASONS:
+        return BrokerUnavailableError(
+            f"{masked}: the peer does not speak TLS ({reason}): most often this is the "
+            "broker's plain AMQP port (5672). Use amqp:// for it, or the port of its TLS "
+            "listener (5671 by default) with amqps://"
+        )
     if isinstance(error, ssl.SSLError):
         return BrokerUnavailableError(f"{masked}: TLS handshake failed ({reason}); {_TLS_HINT}")
     hint = "is RabbitMQ running and listening there?"
@@ -203,6 +209,12 @@ def unreachable(
         hint = f"is RabbitMQ's TLS listener there? If so, {_TLS_HINT}"
     return BrokerUnavailableError(f"{masked}: cannot reach the broker ({reason}); {hint}")
 
+
+#: OpenSSL's reasons for a first answer that is no TLS record (RabbitMQ's plain port
+#: answers a TLS hello with its AMQP protocol header: "AMQP", then 0, 0, 9, 1).
+_NOT_TLS_REASONS = frozenset(
+    {"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE"}
+)
 
 _TLS_HINT = (
     "check the TLS options in the URL's query (aio-pika's): cafile=PATH for a CA this "

@@ -259,7 +259,10 @@ async def upgrade(
         report(f"declared {name}", 0)
         moved = await _unhold(topology, connection, name, hold, report) if held else 0
         if old:
-            done.append(f"{name}: re-declared with this version's arguments, {moved} messages kept")
+            done.append(
+                f"{name}: re-declared with this version's arguments, {moved} "
+                f"message{'' if moved == 1 else 's'} kept"
+            )
         elif held:
             done.append(
                 f"{name}: finished an interrupted upgrade: {moved} messages moved back from {hold}"

@@ -6,7 +6,7 @@ import re
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["parse_duration"]
+__all__ = ["describe_duration", "parse_duration"]
 
 _UNITS_US = {
     "us": 1,
@@ -65,3 +65,18 @@ def parse_duration(text: str) -> timedelta:
         return timedelta(microseconds=int(micros.to_integral_value(rounding="ROUND_CEILING")))
     except (InvalidOperation, OverflowError):
         raise ValueError(f"{text!r} is too long a duration") from None
+
+
+def describe_duration(span: timedelta) -> str:
+    """A duration as its two largest units, in ``parse_duration``'s syntax (``"5m2s"``,
+    ``"3h20m"``, ``"12d4h"``; under a second ``"0s"``), with years beside it from a year
+    on (``"2530d17h (6.9 years)"``). Negative spans are described by their size."""
+    seconds = abs(int(span.total_seconds()))
+    parts: list[str] = []
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)):
+        count, seconds = divmod(seconds, size)
+        if count or parts:
+            parts.append(f"{count}{unit}")
+    text = "".join(part for part in parts[:2] if not part.startswith("0")) or "0s"
+    days = abs(span.days)
+    return f"{text} ({days / 365.25:.1f} years)" if days >= 365 else text

@@ -23,6 +23,7 @@ from hopsched.cli.common import (
     run,
     settings_from_env,
 )
+from hopsched.cli.durations import describe_duration
 from hopsched.cli.notes import interrupted_schedule, other_pending
 from hopsched.client.prepare import check_schedule_id, due_time_us
 from hopsched.client.scheduler import Cancelled, Scheduler
@@ -376,7 +377,7 @@ def _warn_if_past(at: datetime, now: int) -> None:
         logging.getLogger("hopsched.cli").warning(
             "--at %s is %s in the past: it is due now and will be delivered at once",
             at.isoformat(),
-            timedelta(seconds=ago // 1_000_000),
+            describe_duration(timedelta(microseconds=ago)),
         )
 
 
@@ -402,7 +403,7 @@ def _warn_of_a_past_start(rule: Rule, first_us: int, now: int) -> None:
         then = "then the rule goes on"
     else:
         then = f"then the next is due {us_to_datetime(link.next_us).isoformat()}"
-    ago = timedelta(seconds=(now - first_us) // 1_000_000)
+    ago = describe_duration(timedelta(microseconds=now - first_us))
     logging.getLogger("hopsched.cli").warning(
         "the first occurrence (%s) is %s in the past: with --catch-up %s, %s; %s",
         us_to_datetime(first_us).isoformat(),

@@ -281,7 +281,8 @@ def _show_status(
         return
     click.echo(f"{settings.masked_url} prefix {settings.prefix}")
     for name, depth in depths.items():
-        text = "missing" if depth is None else f"{depth.messages:>9} messages"
+        plural = "" if depth is not None and depth.messages == 1 else "s"
+        text = "missing" if depth is None else f"{depth.messages:>9} message{plural}"
         if depth is None and name == topology.cancel_stream:
             text = "missing (a relay or the first cancel declares it)"
         elif depth is None and name == topology.journal_stream:

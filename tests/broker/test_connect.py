@@ -288,3 +288,25 @@ async def test_wait_consuming_raises_the_error_that_ended_the_relay(broker_url: 
         await asyncio.wait_for(relay.wait_consuming(), 30)
     with pytest.raises(hopsched.BrokerUnavailableError):
         await running
+
+
+async def test_amqps_to_the_plain_amqp_port_says_the_port_speaks_no_tls(broker_url: str) -> None:
+    """Found by a new-user trial: ``amqps://`` to the broker's plain AMQP port said "TLS
+    handshake failed" and to check cafile, certificates and no_verify_ssl (given
+    already). RabbitMQ answers a TLS hello there with its AMQP header, which OpenSSL
+    reads as a wrong version: the error now names the port and the scheme."""
+    plain = with_login(broker_url, "guest", PASSWORD)
+    url = urlunsplit(urlsplit(plain)._replace(scheme="amqps", query="no_verify_ssl=1"))
+    settings = hopsched.Settings(url=url)
+    with pytest.raises(hopsched.BrokerUnavailableError) as lean:
+        await hopsched.connect.Connector(settings, name="test").connect()
+    with pytest.raises(hopsched.BrokerUnavailableError) as pika:
+        await hopsched.connect.connect(settings)
+
+    for error in (lean.value, pika.value):
+        text = str(error)
+        assert "does not speak TLS" in text
+        assert "plain AMQP port" in text
+        assert "amqp://" in text
+        assert "cafile" not in text
+        assert PASSWORD not in text

@@ -162,7 +162,7 @@ async def test_the_cli_names_the_upgrade_and_runs_it(
 
     status, out, err = await hopsched_cli("upgrade", settings=settings)
     assert status == 0, err
-    assert "1 messages kept" in out
+    assert "1 message kept" in out
 
     status, _, err = await hopsched_cli("declare", settings=settings)
     assert status == 0, err

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hopsched.cli.durations import parse_duration
+from hopsched.cli.durations import describe_duration, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -81,3 +81,37 @@ def test_any_compound_duration_is_the_sum_of_its_terms(
         return
     text = "".join(f"{n}{u}" for n, u, _ in terms)
     assert parse_duration(text) == sum((n * size for n, _, size in terms), timedelta(0))
+
+
+@pytest.mark.parametrize(
+    ("span", "expected"),
+    [
+        (timedelta(0), "0s"),
+        (timedelta(milliseconds=400), "0s"),
+        (timedelta(seconds=302), "5m2s"),
+        (timedelta(hours=2, seconds=5), "2h"),
+        (timedelta(days=1), "1d"),
+        (timedelta(days=2530, hours=17, minutes=14, seconds=4), "2530d17h (6.9 years)"),
+        (-timedelta(seconds=90), "1m30s"),
+    ],
+)
+def test_describe_duration(span: timedelta, expected: str) -> None:
+    assert describe_duration(span) == expected
+
+
+@given(st.integers(min_value=0, max_value=10**10))
+def test_a_described_duration_reads_back_to_within_its_second_unit(seconds: int) -> None:
+    """What ``describe_duration`` writes, ``parse_duration`` reads: the span cut down to
+    its two largest units (under a day of error from a day on, an hour from an hour)."""
+    span = timedelta(seconds=seconds)
+    read = parse_duration(describe_duration(span).split(" ")[0])
+    second_unit = next(
+        unit
+        for floor, unit in (
+            (timedelta(days=1), timedelta(hours=1)),
+            (timedelta(hours=1), timedelta(minutes=1)),
+            (timedelta(0), timedelta(seconds=1)),
+        )
+        if span >= floor
+    )
+    assert read <= span < read + second_unit
