@@ -19,8 +19,8 @@ from hopsched.core.envelope import (
     HEADER_HOP_CLOCK,
     HEADER_HOP_EXPIRES,
     RELAY_CLOCK,
-    dead_letter_reason,
-    dead_lettered_us,
+    Death,
+    latest_death,
 )
 from hopsched.core.overshoot import OvershootTracker
 from hopsched.relay.broker_clock import BrokerClock
@@ -74,7 +74,12 @@ class HopTiming:
         self._own_sample = False  # a prompt hop the relay stamped was sampled
 
     def observe_broker(
-        self, headers: Mapping[str, Any], *, backlog: bool = False, crowded: bool = False
+        self,
+        headers: Mapping[str, Any],
+        *,
+        death: Death | None = None,
+        backlog: bool = False,
+        crowded: bool = False,
     ) -> bool:
         """Before anything is decided about a hop just received: its x-death time against
         the relay's own clock (``BrokerClock.record``). A hop the relay stamped that
@@ -88,9 +93,10 @@ class HopTiming:
         queue's wait for a clock 2.1 s ahead without the last rule, and parked hops that
         then seemed back early. Returns whether the correction changed. Logs an ERROR
         (ahead: corrected) or a WARNING (behind) the first time in a log interval the
-        estimate is past the threshold."""
-        died = dead_lettered_us(headers)
-        if died is None or dead_letter_reason(headers) != "expired":
+        estimate is past the threshold. ``death``: ``latest_death(headers)``, if the
+        caller read it already."""
+        died, reason = death if death is not None else latest_death(headers)
+        if died is None or reason != "expired":
             return False
         clock = self.broker_clock
         expires = headers.get(HEADER_HOP_EXPIRES)
@@ -129,14 +135,16 @@ class HopTiming:
         """A new log interval: the clock's skew is logged again if it is still there."""
         self._skew_reported = None
 
-    def measure(self, headers: Mapping[str, Any], now: int) -> None:
+    def measure(self, headers: Mapping[str, Any], now: int, *, death: Death | None = None) -> None:
         """A hop's overshoot (arrival ``now`` - its TTL's end, µs) from the relay's own
         stamps; from a producer's stamp, the producer's clock offset
-        (``RelayStats.record_clock_sample``, which warns once it is past 1 s)."""
+        (``RelayStats.record_clock_sample``, which warns once it is past 1 s).
+        ``death``: ``latest_death(headers)``, if the caller read it already."""
         expires = headers.get(HEADER_HOP_EXPIRES)
+        died, reason = death if death is not None else latest_death(headers)
         # Only a TTL's end times a hop: one dead-lettered for a delivery limit, a length
         # limit or a reject left its step at another time (seen: "+4294967.2 s" off).
-        if type(expires) is not int or dead_letter_reason(headers) != "expired":
+        if type(expires) is not int or reason != "expired":
             return
         sample = now - expires
         clock = headers.get(HEADER_HOP_CLOCK)
@@ -144,7 +152,6 @@ class HopTiming:
             self.stats.record_overshoot(sample)
             self.overshoot.record(min(sample, self.cap_us), now)
         elif isinstance(clock, str):
-            died = dead_lettered_us(headers)
             if died is None or now - died > QUEUED_TOO_LONG_US:
                 return  # it waited in the relay queue (a backlog, no relay): not a clock
             # A relay behind the broker (not corrected) makes every producer look ahead

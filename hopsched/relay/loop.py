@@ -37,9 +37,11 @@ from hopsched.core.clock import now_us
 from hopsched.core.decide import Cancel, Decider, Linked, Park, ParkKind, Wait
 from hopsched.core.envelope import (
     HEADER_RULE,
+    NO_DEATH,
     Envelope,
     delivery_properties,
     hop_properties,
+    latest_death,
     lineage_properties,
     next_occurrence_properties,
     retry_properties,
@@ -752,17 +754,20 @@ class _Session:
             self.parking.park_as_is(delivery)
             return
         headers: Mapping[str, Any] = properties.headers or {}
-        if not nacks and not again:  # its x-death time first: the clock's offset, if new
+        fresh = not nacks and not again  # just received, not routed before
+        death = latest_death(headers) if fresh else NO_DEATH  # read once: decoding costs
+        if fresh:  # its x-death time first: the clock's offset, if new
             backlog = self.backlog > 0 or delivery.redelivered
             self.backlog -= 1
             if len(self.acker) >= max(1, self.settings.prefetch // 2):
                 self.crowded_at = time.monotonic()
             crowded = time.monotonic() - self.crowded_at < CROWDED_MEMORY_S
-            if self.relay.hop_timing.observe_broker(headers, backlog=backlog, crowded=crowded):
+            timing = self.relay.hop_timing
+            if timing.observe_broker(headers, death=death, backlog=backlog, crowded=crowded):
                 self.holds.rearm()  # the correction changed: the timer's instant too
         now = self.clock()
-        if not nacks and not again:
-            self.relay.hop_timing.measure(headers, now)
+        if fresh:
+            self.relay.hop_timing.measure(headers, now, death=death)
             if delivery.redelivered and HEADER_RULE in headers:
                 self._claim(delivery, headers, now)
                 return

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pamqp import decode, encode
 
+from hopsched.amqp.wire import Table
 from hopsched.core.clock import MAX_DUE_US
 from hopsched.core.envelope import (
     BROKER_DEAD_LETTER_HEADERS,
@@ -37,11 +38,13 @@ from hopsched.core.envelope import (
     HEADER_PARKED_USER_ID,
     HEADER_ROUTING_KEY,
     HEADER_VERSION,
+    NO_DEATH,
     RELAY_CLOCK,
     Envelope,
     dead_letter_reason,
     delivery_headers,
     hop_headers,
+    latest_death,
     parked_headers,
     unparked_headers,
 )
@@ -505,3 +508,44 @@ def test_unparked_headers_drop_the_parking_and_the_last_hops_expiry() -> None:
     assert not parking & replayed.keys()
     assert HEADER_HOP_EXPIRES not in replayed
     assert Envelope.from_headers(replayed) == Envelope.from_headers(DEAD_LETTERED)
+
+
+_DEATH_ENTRY = st.fixed_dictionaries(
+    {},
+    optional={
+        "time": st.datetimes(
+            min_value=datetime(2001, 1, 1), max_value=datetime(2100, 1, 1), timezones=st.just(UTC)
+        ).map(lambda d: d.replace(microsecond=0)),
+        "reason": st.sampled_from(["expired", "maxlen", "rejected", "delivery_limit"]),
+        "queue": st.text(max_size=20),
+        "count": st.integers(min_value=0, max_value=2**31),
+    },
+)
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.lists(
+            st.one_of(_DEATH_ENTRY, st.text(max_size=5), st.integers(-(2**31), 2**31 - 1)),
+            max_size=3,
+        ),
+        st.text(max_size=5),
+    )
+)
+def test_the_latest_death_read_from_the_wire_is_the_one_decoded_whole(deaths: Any) -> None:
+    """``latest_death`` of a received ``Table`` decodes only the first ``x-death`` entry
+    (a relay reads it for every hop); it says what the fully decoded headers say."""
+    headers = {} if deaths is None else {"x-death": deaths, "x-other": 1}
+    received = Table.decode(Table.from_dict(headers).encode())[0]
+    decoded = decode.field_table(Table.from_dict(headers).encode())[1]
+    assert latest_death(received) == latest_death(decoded)
+    first = deaths[0] if isinstance(deaths, list) and deaths else None
+    if isinstance(first, dict) and first:
+        time = first.get("time")
+        assert latest_death(received).time_us == (
+            None if time is None else int(time.timestamp()) * 1_000_000
+        )
+        assert latest_death(received).reason == first.get("reason")
+    else:
+        assert latest_death(received) == NO_DEATH
