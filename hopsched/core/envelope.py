@@ -299,35 +299,23 @@ class Envelope:
                 not ``ENVELOPE_VERSION``; the error keeps the raw headers.
         """
         headers = headers or {}
-
-        def field(name: str, kind: type, *, required: bool = True) -> Any:
-            return _field(headers, name, kind, required=required)
-
-        version = field(HEADER_VERSION, int)
+        version = _field(headers, HEADER_VERSION, int)
         if version != ENVELOPE_VERSION:
             raise EnvelopeError(
                 f"header {HEADER_VERSION!r} is {version}; this relay reads version "
                 f"{ENVELOPE_VERSION}: run a relay of the version that scheduled it",
                 headers,
             )
-        envelope = cls(
-            schedule_id=field(HEADER_ID, str),
-            due_us=field(HEADER_DUE, int),
-            exchange=field(HEADER_EXCHANGE, str),
-            routing_key=field(HEADER_ROUTING_KEY, str),
-            hops=field(HEADER_HOPS, int),
-            expiration=field(HEADER_EXPIRATION, str, required=False),
-            delivery_mode=field(HEADER_DELIVERY_MODE, int, required=False),
-            retries=field(HEADER_RETRIES, int, required=False) or 0,
-            retry_since_us=field(HEADER_RETRY_SINCE, int, required=False),
-            created_us=field(HEADER_CREATED, int, required=False) or 0,
-            signature=field(HEADER_SIGNATURE, str, required=False),
-            rule=field(HEADER_RULE, str, required=False),
-            occurrence=field(HEADER_OCCURRENCE, int, required=False) or 0,
-            lineage=field(HEADER_LINEAGE, str, required=False),
-            user=field(HEADER_OWNER, str, required=False),
-        )
-        if named := _feature_names(field(HEADER_FEATURES, str, required=False)):
+        get = headers.get
+        values: dict[str, Any] = {}
+        for name, kind, required, attribute in _ENVELOPE_FIELDS:  # one pass: read every hop
+            value = get(name)
+            if type(value) is not kind:  # (None, a bool for an int, or wrong)
+                value = _field(headers, name, kind, required=required)
+            if value is not None:
+                values[attribute] = value
+        envelope = cls(**values)
+        if named := _feature_names(_field(headers, HEADER_FEATURES, str, required=False)):
             envelope = replace(envelope, features=named - envelope.required_features)
         if min(envelope.due_us, envelope.hops, envelope.retries, envelope.occurrence) < 0:
             raise EnvelopeError(
@@ -393,6 +381,27 @@ def dead_letter_reason(headers: Mapping[str, Any]) -> str | None:
     """Why the broker last dead-lettered this message (``Death.reason``); None without
     an ``x-death`` entry."""
     return latest_death(headers).reason
+
+
+#: The envelope's headers as ``Envelope.from_headers`` reads them: (header, type,
+#: required, attribute); a missing optional one leaves the attribute's default.
+_ENVELOPE_FIELDS: tuple[tuple[str, type, bool, str], ...] = (
+    (HEADER_ID, str, True, "schedule_id"),
+    (HEADER_DUE, int, True, "due_us"),
+    (HEADER_EXCHANGE, str, True, "exchange"),
+    (HEADER_ROUTING_KEY, str, True, "routing_key"),
+    (HEADER_HOPS, int, True, "hops"),
+    (HEADER_EXPIRATION, str, False, "expiration"),
+    (HEADER_DELIVERY_MODE, int, False, "delivery_mode"),
+    (HEADER_RETRIES, int, False, "retries"),
+    (HEADER_RETRY_SINCE, int, False, "retry_since_us"),
+    (HEADER_CREATED, int, False, "created_us"),
+    (HEADER_SIGNATURE, str, False, "signature"),
+    (HEADER_RULE, str, False, "rule"),
+    (HEADER_OCCURRENCE, int, False, "occurrence"),
+    (HEADER_LINEAGE, str, False, "lineage"),
+    (HEADER_OWNER, str, False, "user"),
+)
 
 
 def _field(headers: Mapping[str, Any], name: str, kind: type, *, required: bool = True) -> Any:
