@@ -30,6 +30,7 @@ __all__ = [
     "QueueDepth",
     "Topology",
     "ladder_mismatch",
+    "stream_down_hint",
     "teardown_refusal",
 ]
 
@@ -150,6 +151,18 @@ def ladder_mismatch(
         ladder.description,
         describe_steps(present),
         [f"{prefix}.step.{step}" for step in missing],
+    )
+
+
+def stream_down_hint(stream: str) -> str:
+    """What to do when the cancel stream ``stream`` cannot be read after a node crash
+    (RabbitMQ 3.10, and 4.x within a shorter window, can restart a node killed soon after
+    the stream's declaration without its stream coordinator: docs/operations.md)."""
+    return (
+        f"Relays wait for {stream}: they deliver nothing before they have read the "
+        "cancels, and lose nothing meanwhile. If it stays down after a crash of the node "
+        "(RabbitMQ 3.10, or 4.x killed just after the stream was declared), see 'A stream "
+        "down after a crash' in docs/operations.md"
     )
 
 

@@ -33,6 +33,7 @@ from hopsched.topology import (
     QueueDepth,
     Topology,
     ladder_mismatch,
+    stream_down_hint,
     teardown_refusal,
 )
 
@@ -199,12 +200,7 @@ async def declare(
             # recovers its queues: worth trying again, as for a broker not answering
             reason = f"declaring {declaring!r}: {error.args[0] if error.args else error!r}"
             if declaring == topology.cancel_stream:
-                reason += (
-                    ". Relays wait for this stream: they deliver nothing before they "
-                    "have read the cancels. If it stays down after a crash of a "
-                    "RabbitMQ 3.10 node, see 'A stream down after a crash' in "
-                    "docs/operations.md"
-                )
+                reason += ". " + stream_down_hint(declaring)
             raise BrokerUnavailableError(reason) from None
     finally:
         if not channel.is_closed:

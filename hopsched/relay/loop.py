@@ -92,6 +92,7 @@ from hopsched.topology import (
     DEAD_LETTER_ROUTING_KEY,
     RELAY_CONSUMER_ARGUMENTS,
     Topology,
+    stream_down_hint,
 )
 from hopsched.version import __version__
 
@@ -535,6 +536,12 @@ class _Session:
             )
         except AccessRefusedError as error:
             raise self.refusals.error(str(error)) from None
+        except BrokerConnectionLost as error:
+            if "Stream not found" not in str(error):  # RabbitMQ 4.x: 506, its leader gone
+                raise
+            raise BrokerUnavailableError(
+                f"{error}. {stream_down_hint(self.topology.cancel_stream)}"
+            ) from None
         channel = await self.connection.channel()
         await channel.qos(self.settings.prefetch)
         self.acker = Acker(channel)

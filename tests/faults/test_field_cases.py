@@ -370,9 +370,12 @@ async def test_relays_wait_for_a_cancellation_stream_a_crash_left_down(
     node_targets: Targets,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """RabbitMQ 3.10: a node killed before it saved its Ra directory restarts with its
-    streams down. The relay delivers nothing while it cannot read the cancels (and loses
-    nothing); after the documented repair it delivers the kept message only."""
+    """A node killed before it saved its Ra directory can restart with its streams down
+    (RabbitMQ 3.10 always; 4.x within a shorter window, as here: on Khepri it did,
+    though ``list_queues`` said running). Down, the relay delivers nothing while it
+    cannot read the cancels (and loses nothing), says where the repair is, and after the
+    documented repair delivers the kept message only. Up, it delivers the kept message
+    only. (On 4.x this test was skipped, and it ran on 3.10 nowhere in CI.)"""
     settings = node_settings(private_broker, prefix)
     await relays.start(settings)
     target = await node_targets.queue()
@@ -381,16 +384,28 @@ async def test_relays_wait_for_a_cancellation_stream_a_crash_left_down(
         kept = await scheduler.schedule(b"kept", delay=3.0, routing_key=target.name)
         assert (await scheduler.cancel(doomed)).in_time is True
     await private_broker.kill()
+    caplog.clear()
     await private_broker.start()
-    states = await private_broker.rabbitmqctl("list_queues", "-q", "name", "state")
-    if f"{prefix}.cancelled\trunning" in states:
-        pytest.skip("this RabbitMQ keeps its stream coordinator across kill -9")
     collector = await consume_after_restart(private_broker, target.name)
-    await asyncio.sleep(6.0)  # 3 s past the due time
-    assert collector.counts() == {}, "delivered before the cancels could be read"
-    assert "cannot relay yet" in caplog.text
-    assert "docs/operations.md" in caplog.text
-    await private_broker.restore_stream_coordinator()
-    await collector.wait_for_ids({kept.schedule_id}, within=60)
+
+    def refusals() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cannot relay yet" in r.getMessage()]
+
+    # Down for good shows as the relay failing again and again (5 tries: over 15 s of its
+    # back-off); a node still recovering fails once or twice, then the stream is up.
+    async with asyncio.timeout(180):
+        while not collector.counts() and len(refusals()) < 5:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
+    if not collector.counts():  # down: nothing delivered meanwhile; the repair
+        assert "docs/operations.md" in refusals()[-1], refusals()[-1]
+        await private_broker.restore_stream_coordinator()
+        try:
+            await collector.wait_for_ids({kept.schedule_id}, within=30)
+        except pytest.fail.Exception:  # 4.x on Khepri: the node must restart to see it
+            assert await private_broker.metadata_store() == "khepri"
+            await private_broker.stop()
+            await private_broker.start()
+            collector = await consume_after_restart(private_broker, target.name)
+    await collector.wait_for_ids({kept.schedule_id}, within=120)
     await asyncio.sleep(1.0)
     assert set(collector.counts()) == {kept.schedule_id}
