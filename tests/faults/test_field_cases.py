@@ -399,13 +399,14 @@ async def test_relays_wait_for_a_cancellation_stream_a_crash_left_down(
     if not collector.counts():  # down: nothing delivered meanwhile; the repair
         assert "docs/operations.md" in refusals()[-1], refusals()[-1]
         await private_broker.restore_stream_coordinator()
-        try:
-            await collector.wait_for_ids({kept.schedule_id}, within=30)
-        except pytest.fail.Exception:  # 4.x on Khepri: the node must restart to see it
-            assert await private_broker.metadata_store() == "khepri"
-            await private_broker.stop()
-            await private_broker.start()
-            collector = await consume_after_restart(private_broker, target.name)
+        if await private_broker.metadata_store() == "khepri":
+            # the repair alone brought the stream back in no run; a clean restart after it did
+            try:
+                await collector.wait_for_ids({kept.schedule_id}, within=30)
+            except pytest.fail.Exception:
+                await private_broker.stop()
+                await private_broker.start()
+                collector = await consume_after_restart(private_broker, target.name)
     await collector.wait_for_ids({kept.schedule_id}, within=120)
     await asyncio.sleep(1.0)
     assert set(collector.counts()) == {kept.schedule_id}
