@@ -62,8 +62,6 @@ __all__ = [
     "DeliveryInfo",
     "Envelope",
     "callers_headers",
-    "dead_letter_reason",
-    "dead_lettered_us",
     "delivery_headers",
     "delivery_properties",
     "first_hop_properties",
@@ -369,18 +367,6 @@ def latest_death(headers: Mapping[str, Any]) -> Death:
         int(died.timestamp()) * 1_000_000 if isinstance(died, datetime) else None,
         reason if isinstance(reason, str) else None,
     )
-
-
-def dead_lettered_us(headers: Mapping[str, Any]) -> int | None:
-    """When the broker last dead-lettered this message (``Death.time_us``); None without
-    an ``x-death`` entry."""
-    return latest_death(headers).time_us
-
-
-def dead_letter_reason(headers: Mapping[str, Any]) -> str | None:
-    """Why the broker last dead-lettered this message (``Death.reason``); None without
-    an ``x-death`` entry."""
-    return latest_death(headers).reason
 
 
 #: The envelope's headers as ``Envelope.from_headers`` reads them: (header, type,

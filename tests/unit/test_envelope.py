@@ -41,7 +41,6 @@ from hopsched.core.envelope import (
     NO_DEATH,
     RELAY_CLOCK,
     Envelope,
-    dead_letter_reason,
     delivery_headers,
     hop_headers,
     latest_death,
@@ -291,7 +290,7 @@ def test_the_dead_letter_reason_is_the_latest_x_death_entrys(
 ) -> None:
     """Only an ``expired`` hop times a step (the relay's hop overshoot, a producer's clock
     offset): the latest entry comes first (https://www.rabbitmq.com/docs/dlx#effects)."""
-    assert dead_letter_reason(headers) == reason
+    assert latest_death(headers).reason == reason
 
 
 def test_hop_headers_strip_dead_letter_history_and_count_the_hop() -> None:
