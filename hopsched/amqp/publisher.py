@@ -35,6 +35,9 @@ letting one slow target hold back the others' publishes. The publishes a confirm
 go are sent after its callbacks have run, in the next step of the event loop, so the
 acks those callbacks queued reach the socket no later than, and before, those
 publishes: a crash in between duplicates at most the window, not the window twice.
+A publish made with ``hold`` keeps its slot past its confirm, until the caller
+``release``s it: the relay acks a delivery only once its journal record is written, and
+the deliveries waiting for that are what a crash duplicates, so they stay in the window.
 
 A publish given ``silence_s`` (a step queue's, which another step can stand in for) that
 has no answer after that long ends ``SILENT`` if the broker answers a later publish on
@@ -96,6 +99,7 @@ class _Item:
         "body",
         "callback",
         "exchange",
+        "hold",
         "properties",
         "routing_key",
         "sent_at",
@@ -110,6 +114,7 @@ class _Item:
         properties: bytes,
         callback: amqp.ConfirmCallback,
         silence_s: float | None = None,
+        hold: bool = False,
     ) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
@@ -117,6 +122,7 @@ class _Item:
         self.properties = properties
         self.callback = callback
         self.silence_s = silence_s
+        self.hold = hold
         self.sent_at = 0.0  # loop time of its last send
 
 
@@ -124,6 +130,7 @@ class _Lane:
     __slots__ = (
         "blocked",
         "channel",
+        "held",
         "in_flight",
         "key",
         "last_used",
@@ -144,6 +151,7 @@ class _Lane:
         self.blocked = False  # in Publisher._blocked: waits for the window
         self.waiting: deque[_Item] = deque()
         self.in_flight: dict[int, _Item] = {}
+        self.held = 0  # confirmed publishes that keep their window slot until released
         self.suspects: deque[_Item] = deque()
         self.probing: _Item | None = None
         self.last_used = time.monotonic()
@@ -254,6 +262,7 @@ class Publisher:
         callback: amqp.ConfirmCallback,
         *,
         silence_s: float | None = None,
+        hold: bool = False,
     ) -> None:
         """Publish on ``lane``; ``callback(outcome, detail)`` runs once the broker has
         answered (``amqp.Outcome``: ACK, NACK, RETURNED with a ``Returned``, or CLOSED
@@ -264,6 +273,10 @@ class Publisher:
             properties: encoded (``amqp.Properties.encode()``).
             silence_s: with no answer this many seconds after it was sent, and one to a
                 later publish on its channel, it ends SILENT (see the module's doc).
+            hold: once ACKed, it keeps its slot in the lane's window until
+                ``release(lane)`` (the caller's own bookkeeping of it is not done yet:
+                what a crash can duplicate stays within ``lane_window``). A lost
+                connection frees every slot.
 
         Raises:
             ValueError: the properties do not fit in one frame (nothing was sent).
@@ -273,7 +286,7 @@ class Publisher:
             lost = self.connection.closed.result()
             raise BrokerConnectionLost(str(lost), lost.reply_code, lost.reply_text)
         check_content_header(properties, self.connection.frame_max)
-        item = _Item(exchange, routing_key, body, properties, callback, silence_s)
+        item = _Item(exchange, routing_key, body, properties, callback, silence_s, hold)
         state = self._lanes.get(lane) or self._new_lane(lane)
         state.last_used = time.monotonic()
         self._idle.pop(lane, None)
@@ -281,6 +294,21 @@ class Publisher:
         if state.in_flight and self._wanting:
             return  # its turn ends once these are confirmed: then others have theirs
         self._resume(state)
+
+    def waiting(self, lane: str) -> bool:
+        """Whether publishes on ``lane`` wait to be sent (for room in its window, or a
+        channel)."""
+        state = self._lanes.get(lane)
+        return state is not None and bool(state.waiting)
+
+    def release(self, lane: str) -> None:
+        """Free the window slot a publish made with ``hold`` kept on ``lane`` since its
+        ACK; what waits for room is sent after this loop step's callbacks have run (as
+        after a confirm: the acks they queue are written first)."""
+        state = self._lanes.get(lane)
+        if state is not None and state.held:
+            state.held -= 1
+            self._turn_over_soon(state)
 
     def open(self, lane: str) -> None:
         """Open ``lane``'s channel now, in the background, if it has none and a channel
@@ -403,7 +431,7 @@ class Publisher:
                 self._probe(lane)
             return
         while lane.waiting and lane.channel is not None and not lane.suspects:
-            if len(lane.in_flight) >= self._lane_window:
+            if len(lane.in_flight) + lane.held >= self._lane_window:
                 return  # sent on as its confirms come back (``_turn_over``)
             if self._unconfirmed >= self._window:
                 if not lane.blocked:
@@ -560,10 +588,13 @@ class Publisher:
             self._resume(lane)
             self._turn_over(lane)
             return
-        if outcome is amqp.Outcome.ACK and lane.key not in self._proven:
-            self._proven[lane.key] = None
-            if len(self._proven) > _PROVEN_KEPT:
-                del self._proven[next(iter(self._proven))]
+        if outcome is amqp.Outcome.ACK:
+            if lane.key not in self._proven:
+                self._proven[lane.key] = None
+                if len(self._proven) > _PROVEN_KEPT:
+                    del self._proven[next(iter(self._proven))]
+            if item.hold:
+                lane.held += 1
         item.callback(outcome, detail)
         self._turn_over_soon(lane)
 
@@ -610,6 +641,8 @@ class Publisher:
                 lane.suspects.appendleft(item)  # not its fault: try it again
                 self._resume(lane)
                 return
+        if outcome is amqp.Outcome.ACK and item.hold:
+            lane.held += 1
         item.callback(outcome, detail)
         if not isinstance(detail, BrokerConnectionLost):
             self._resume(lane)
@@ -630,11 +663,12 @@ class Publisher:
         self._blocked.clear()
         for lane in self._lanes.values():
             lane.wanting = lane.blocked = False
+            lane.held = 0
             self._fail(lane, error)
 
 
 def _forgettable(lane: _Lane) -> bool:
-    return lane.idle and lane.channel is None and not (lane.opening or lane.wanting)
+    return lane.idle and lane.channel is None and not (lane.opening or lane.wanting or lane.held)
 
 
 class _Turns:

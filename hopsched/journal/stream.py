@@ -7,8 +7,9 @@ Journal records are never in a message's way: they are written once the broker
 confirmed what they tell of, on a lane of their own (a refused stream publish closes
 only that channel); the message a record told of is delivered or parked all the same
 when its write fails. A relay's records (``JournalWriter.add``) are gathered for
-``FLUSH_AFTER_S`` (10 ms, or until a thousand) into one stream message, which nobody
-waits for; a write that fails is logged and counted (``RelayStats.journal_failures``),
+``FLUSH_AFTER_S`` (10 ms, or until a thousand) into one stream message; the acks of
+the deliveries and parks they tell of wait for its answer (a second at most), no
+message does. A write that fails is logged and counted (``RelayStats.journal_failures``),
 and its records are not written. A Scheduler's (``JournalWriter.write``) are published
 at once and awaited, so that ``get()`` right after ``schedule()`` knows the schedule;
 ``write`` gives back the records of a write that failed, which the Scheduler keeps and
@@ -61,6 +62,13 @@ RECORDS_PER_MESSAGE = 1000
 #: A relay's records wait this long (s) for others to share their stream write: the
 #: broker's work per delivery is what bounds a relay's rate on a shared machine.
 FLUSH_AFTER_S = 0.01
+#: A batch with this many records waiting on it (``add``'s ``then``) is written without
+#: waiting for ``FLUSH_AFTER_S``: a relay's lane window (256) never stands full of
+#: deliveries waiting for a batch's timer.
+WAITING_PER_FLUSH = 128
+#: A write with no answer after this long (s) runs its records' ``then`` all the same: a
+#: journal that answers nothing (its stream's leader frozen) never holds deliveries up.
+THEN_AFTER_S = 1.0
 #: How long reading the journal may go without a message before it is given up, s.
 READ_TIMEOUT_S = 60.0
 #: Seconds between the writes of a marker the broker returned from a stream it knows.
@@ -99,30 +107,65 @@ class JournalWriter:
         self.on_result = on_result
         self.properties = _PROPERTIES.replace(user_id=user_id).encode()
         self._batch: list[JournalRecord] = []
+        self._then: list[Callable[[], None]] = []  # of the batch's records
+        self._flushing_soon = False
         self._warned = False
         self._in_flight = 0  # stream writes not answered yet
         self._idle: asyncio.Event | None = None
 
-    def add(self, record: JournalRecord) -> None:
-        """Write ``record`` with the others added within ``FLUSH_AFTER_S``."""
+    def add(self, record: JournalRecord, then: Callable[[], None] | None = None) -> None:
+        """Write ``record`` with the others added within ``FLUSH_AFTER_S``; ``then()``
+        runs once that write is answered, whatever the answer (a record the stream did
+        not take is counted and lost, as a record is), or ``THEN_AFTER_S`` after it was
+        sent with no answer, or at once if it could not be sent. A relay acks a
+        delivery in ``then``: a crash before its record is written delivers it again
+        rather than leave it "held" in the journal for ever."""
         if not self._batch:
             asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
         self._batch.append(record)
-        if len(self._batch) >= RECORDS_PER_MESSAGE:
+        if then is not None:
+            self._then.append(then)
+        if len(self._batch) >= RECORDS_PER_MESSAGE or len(self._then) >= WAITING_PER_FLUSH:
             self.flush()
+
+    def flush_soon(self) -> None:
+        """``flush`` once this loop step's callbacks have run (the records of every
+        confirm in one read go together), not ``FLUSH_AFTER_S`` later: publishes wait
+        for the window slots the deliveries of these records hold."""
+        if not self._flushing_soon:
+            self._flushing_soon = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flushing_soon = False
+        self.flush()
 
     def flush(self) -> None:
         """Publish the records gathered so far, as one stream message."""
         batch, self._batch = self._batch, []
+        then, self._then = self._then, []
         if not batch:
             return
         count = len(batch)
+        late: asyncio.TimerHandle | None = None
+
+        def run_then() -> None:
+            waiting = then.copy()
+            then.clear()  # each runs once: at the answer or at THEN_AFTER_S
+            for call in waiting:
+                call()
 
         def written(outcome: amqp.Outcome, detail: Any) -> None:
             self._answered(count, outcome, detail)
             self._in_flight -= 1
+            if late is not None:
+                late.cancel()
+            run_then()
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
+
+        if then:
+            late = asyncio.get_running_loop().call_later(THEN_AFTER_S, run_then)
 
         self._in_flight += 1
         try:

@@ -212,7 +212,8 @@ class Parking:
     # --- parking -----------------------------------------------------------------------
 
     def park(self, delivery: amqp.Delivery, park: Park) -> None:
-        """Publish a copy to ``{prefix}.parked`` with ``park``'s reason; ack once confirmed."""
+        """Publish a copy to ``{prefix}.parked`` with ``park``'s reason; ack once confirmed
+        and its journal record written."""
         assert delivery.properties is not None
         headers: Mapping[str, Any] = delivery.properties.headers or {}
         if HEADER_EXCHANGE in headers:
@@ -269,6 +270,7 @@ class Parking:
                 delivery.body,
                 properties,
                 self.guarded(delivery, parked),
+                hold=True,
             )
         except BrokerConnectionLost:
             pass  # unacked: the broker delivers it again after the reconnect
@@ -276,16 +278,25 @@ class Parking:
             self.reject(delivery, f"{park.reason}; and parking it failed: {error}")
 
     def _parked(self, delivery: amqp.Delivery, park: Park, target: str) -> None:
-        """The parked copy is confirmed: ack the delivery, count it, journal it, say it."""
+        """The parked copy is confirmed: count it, journal it, say it; ack the delivery
+        and free its window slot once its record is written (as a delivery's)."""
         self.stats.record_parked(park.kind)
-        self.acker.done(delivery.delivery_tag)
+        tag = delivery.delivery_tag
+
+        def recorded() -> None:
+            self.acker.done(tag)
+            self.publisher.release(LADDER_LANE)
+
         headers = delivery.properties.headers if delivery.properties is not None else None
         try:  # one without a readable envelope has no id to find in the journal
             envelope = Envelope.from_headers(headers)
         except EnvelopeError:
-            pass
+            recorded()
         else:
-            self.journal.add(parked_record(envelope, len(delivery.body), self.clock(), park.reason))
+            record = parked_record(envelope, len(delivery.body), self.clock(), park.reason)
+            self.journal.add(record, recorded)
+            if self.publisher.waiting(LADDER_LANE):  # its window is full: no 10 ms wait
+                self.journal.flush_soon()
         if park.kind in NOTICED:
             self.notices.note_parked(self.publisher, schedule_id(delivery), park.kind)
         if self.stats.first_problem(target, f"parked ({park.kind})"):

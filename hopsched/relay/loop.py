@@ -1,13 +1,14 @@
 """The relay: consume ``{prefix}.relay``; decide; publish a hop, a final delivery at the
 due time, or a parked copy; ack once the broker confirms.
 
-Reliability: a delivery is acked only after the publish it leads to is confirmed, so
-a crash duplicates, never loses. The relay never returns a delivery to its queue: what
-it cannot deliver is parked with a reason, a target that refuses a message gets it
-again after a back-off hop, and a message it cannot even park is handed back with
-``basic.nack(requeue=false)``, which ``{prefix}.relay`` dead-letters into the parking
-queue. Nothing waits unacked longer than the hold window, so RabbitMQ's
-``consumer_timeout`` is never reached.
+Reliability: a delivery is acked only after the publish it leads to is confirmed (a
+final delivery or a park: and its journal record written), so a crash duplicates,
+never loses, and the journal never misses an outcome a crash left unrecorded. The
+relay never returns a delivery to its queue: what it cannot deliver is parked with a
+reason, a target that refuses a message gets it again after a back-off hop, and a
+message it cannot even park is handed back with ``basic.nack(requeue=false)``, which
+``{prefix}.relay`` dead-letters into the parking queue. Nothing waits unacked longer
+than the hold window, so RabbitMQ's ``consumer_timeout`` is never reached.
 
 Deliveries are handled by callbacks inside the read that brought them (``hopsched.amqp``)
 and held ones by one timer (``Holds``), so a relayed message costs about 100 µs of CPU.
@@ -878,9 +879,11 @@ class _Session:
         outcome: Outcome,
         *,
         silence_s: float | None = None,
+        hold: bool = False,
     ) -> None:
         """Publish: ``outcome`` runs on the confirm (acks, or takes a detour), or after
-        ``silence_s`` of silence (``Publisher.publish``)."""
+        ``silence_s`` of silence; with ``hold``, an ACKed one keeps its window slot
+        until ``outcome`` has it released (``Publisher.publish``)."""
         try:
             self.publisher.publish(
                 lane,
@@ -890,6 +893,7 @@ class _Session:
                 properties,
                 self.parking.guarded(delivery, outcome),
                 silence_s=silence_s,
+                hold=hold,
             )
         except BrokerConnectionLost:
             pass  # unacked: the broker delivers it again after the reconnect
@@ -952,14 +956,20 @@ class _Session:
         self._publish(LADDER_LANE, "", queue, delivery, encoded, hopped, silence_s=silence_s)
 
     def _deliver(self, final: _Final) -> None:
-        """Publish to its target; ack once confirmed. A target that refuses it gets it
-        again after a back-off hop (``Decider.after_refusal``), until it is parked. A
-        recurring occurrence schedules its successor first (``_link``)."""
+        """Publish to its target; ack once confirmed and its journal record written. A
+        target that refuses it gets it again after a back-off hop
+        (``Decider.after_refusal``), until it is parked. A recurring occurrence schedules
+        its successor first (``_link``)."""
         delivery, envelope, arrived = final.delivery, final.envelope, final.arrived_us
         if envelope.rule is not None:
             self._link(final)
             return
         target = f"exchange {envelope.exchange!r} routing key {envelope.routing_key!r}"
+        lane = target_lane(envelope.exchange)
+
+        def recorded() -> None:  # its delivered record is written: done
+            self.acker.done(delivery.delivery_tag)
+            self.publisher.release(lane)
 
         def delivered(outcome: amqp.Outcome, detail: Any) -> None:
             now = self.clock()
@@ -967,8 +977,11 @@ class _Session:
                 self.stats.record_delivery(now - envelope.due_us, arrived - envelope.due_us)
                 if envelope.occurrence:  # a recurring schedule's occurrence
                     self.stats.recurring_delivered += 1
-                self.journal.add(delivered_record(envelope, len(delivery.body), now))
-                self.acker.done(delivery.delivery_tag)
+                # Acked once the record is written: a crash before then delivers it
+                # again (one of the lane's window), never leaves it "held" for ever.
+                self.journal.add(delivered_record(envelope, len(delivery.body), now), recorded)
+                if self.publisher.waiting(lane):  # its window is full: no 10 ms wait
+                    self.journal.flush_soon()
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
                 self.parking.park(delivery, Park(reason, ParkKind.UNROUTABLE))
@@ -991,12 +1004,13 @@ class _Session:
             # else: the connection is gone; unacked, the broker delivers it again
 
         self._publish(
-            target_lane(envelope.exchange),
+            lane,
             envelope.exchange,
             envelope.routing_key,
             delivery,
             final.properties,
             delivered,
+            hold=True,
         )
 
     # --- recurring schedules (docs/recurring.md) ------------------------------------

@@ -16,14 +16,17 @@ from typing import Any
 
 import aio_pika
 import pytest
-from support import Targets, hopsched_cli, until
+from support import Targets, hopsched_cli, unique, until
+from support.amqp import open_connection
 
 import hopsched
+from hopsched.amqp.publisher import Publisher
 from hopsched.core.cancel import CANCEL
 from hopsched.core.clock import now_us
 from hopsched.core.ladder import MAX_STEP_MS
 from hopsched.journal.backlog import FIRST_WAIT_S
 from hopsched.journal.records import CANCELLED, DELIVERED, HELD, PARKED, PENDING, JournalRecord
+from hopsched.journal.stream import JournalWriter
 
 S = 1_000_000
 
@@ -141,6 +144,44 @@ async def test_a_schedule_cancelled_before_its_journal_write_is_known_all_the_sa
     assert info is not None
     assert (info.state, info.routing_key, info.size) == (PENDING, target.name, 9)
     assert (scheduler.journal_backlog, scheduler.journal_dropped) == (0, 0)
+
+
+async def test_a_relay_s_record_is_in_the_journal_when_its_then_runs(
+    scheduler: hopsched.Scheduler, settings: hopsched.Settings, broker_url: str
+) -> None:
+    """``JournalWriter.add(record, then)``, as a relay acks a delivery: when ``then``
+    runs, ``get()`` already knows the outcome (the write is confirmed), so a relay
+    killed after its ack never leaves the id "held". A write the broker refuses (a
+    stream that does not exist: returned) runs ``then`` all the same, and counts it as
+    failed: a refused journal never holds deliveries up."""
+    scheduled = await scheduler.schedule(b"x", delay=3600, routing_key=unique("nowhere"))
+    info = await scheduler.get(scheduled.schedule_id)
+    assert info is not None
+    assert info.state == PENDING
+    record = JournalRecord(
+        DELIVERED, info.schedule_id, now_us(), info.created_us, info.due_us,
+        info.exchange, info.routing_key, info.size,
+    )  # fmt: skip
+    topology = hopsched.Topology.from_settings(settings)
+    connection = await open_connection(broker_url)
+    results: list[tuple[int, bool]] = []
+    try:
+        publisher = Publisher(connection)
+        for stream in (topology.journal_stream, unique("missing-journal")):
+            writer = JournalWriter(publisher, stream, lambda n, ok: results.append((n, ok)))
+            done = asyncio.Event()
+            writer.add(record, done.set)
+            async with asyncio.timeout(30):
+                await done.wait()
+            if stream == topology.journal_stream:  # no wait: it is in the stream now
+                known = await scheduler.get(scheduled.schedule_id)
+                assert known is not None
+                assert known.state == DELIVERED
+            await writer.settled()
+        await publisher.close()
+    finally:
+        await connection.close()
+    assert results == [(1, True), (1, False)]
 
 
 async def test_replace_needs_a_schedule_id(scheduler: hopsched.Scheduler) -> None:

@@ -123,6 +123,43 @@ async def test_a_lane_window_bounds_each_lane_alone(
     assert 8 < most["unconfirmed"] <= 16, most  # both lanes full at once, neither past its window
 
 
+async def test_a_held_publish_keeps_its_lane_window_slot_until_released(
+    broker_url: str, targets: Targets, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    """``hold=True`` with ``lane_window=4``: of 12 publishes on one lane, the first 4 are
+    confirmed and the rest wait, however long, while another lane's go on; each
+    ``release`` lets one more go; all 12 reach their queue, each confirmed once. (The
+    relay holds a delivery's slot until its journal record is written: F35's bound.)"""
+    queue = await targets.queue(consume=False)
+    connection = await open_connection(broker_url)
+    publisher = Publisher(connection, lane_window=4)
+    outcomes, others = Outcomes(), Outcomes()
+    try:
+        for index in range(12):
+            callback = outcomes.callback(index)
+            publisher.publish("held", "", queue.name, b"x", encoded(), callback, hold=True)
+        await outcomes.wait(4, within=30)
+        for index in range(3):
+            callback = others.callback(index)
+            publisher.publish(LADDER_LANE, "", queue.name, b"y", encoded(), callback)
+        await others.wait(within=30)  # the other lane is not held back
+        await asyncio.sleep(0.3)
+        assert outcomes.settled() == 4  # nothing more was sent: the 4 hold the window
+        publisher.release("held")
+        await outcomes.wait(5, within=30)
+        await asyncio.sleep(0.3)
+        assert outcomes.settled() == 5
+        for settled in range(6, 13):  # a release frees only a slot an ACK holds
+            publisher.release("held")
+            await outcomes.wait(settled, within=30)
+    finally:
+        await publisher.close()
+        await connection.close()
+    assert all(calls == [(Outcome.ACK, None)] for calls in outcomes.calls.values())
+    assert all(calls == [(Outcome.ACK, None)] for calls in others.calls.values())
+    assert await message_count(amqp, queue.name) == 15
+
+
 async def test_a_confirm_s_acks_are_written_before_the_publishes_it_lets_go(
     broker_url: str, targets: Targets, amqp: aio_pika.abc.AbstractConnection
 ) -> None:
