@@ -35,9 +35,10 @@ letting one slow target hold back the others' publishes. The publishes a confirm
 go are sent after its callbacks have run, in the next step of the event loop, so the
 acks those callbacks queued reach the socket no later than, and before, those
 publishes: a crash in between duplicates at most the window, not the window twice.
-A publish made with ``hold`` keeps its slot past its confirm, until the caller
-``release``s it: the relay acks a delivery only once its journal record is written, and
-the deliveries waiting for that are what a crash duplicates, so they stay in the window.
+A publish made with ``hold`` takes a slot of ``lane_held`` at its confirm, until the
+caller ``release``s it: the relay acks a delivery only once its journal record is
+written, and the deliveries waiting for that are what a crash duplicates too, so they
+are bounded as well.
 
 A publish given ``silence_s`` (a step queue's, which another step can stand in for) that
 has no answer after that long ends ``SILENT`` if the broker answers a later publish on
@@ -176,6 +177,10 @@ class Publisher:
             no limit); the rest wait in order.
         lane_window: publishes sent and not yet confirmed at most on one lane (None: no
             limit); the rest wait in order, sent as confirms come back.
+        lane_held: with this many publishes made with ``hold`` confirmed and not yet
+            released on one lane, it sends no more there until ``release`` (None: no
+            limit). Sent and unconfirmed, and held, a lane has fewer than ``lane_window
+            + lane_held`` publishes: what a crash can duplicate.
     """
 
     def __init__(
@@ -185,6 +190,7 @@ class Publisher:
         max_lanes: int | None = None,
         window: int | None = None,
         lane_window: int | None = None,
+        lane_held: int | None = None,
     ) -> None:
         self.connection = connection
         self._lanes: dict[str, _Lane] = {}
@@ -197,6 +203,7 @@ class Publisher:
         self._proven_kept = min(_PROVEN_IDLE_KEPT, self._max_lanes // 2)
         self._window = window if window is not None else math.inf
         self._lane_window = lane_window if lane_window is not None else math.inf
+        self._lane_held = lane_held if lane_held is not None else math.inf
         self._unconfirmed = 0
         self._blocked = _Turns()
         self._purge_at = 2 * self._max_lanes
@@ -273,10 +280,10 @@ class Publisher:
             properties: encoded (``amqp.Properties.encode()``).
             silence_s: with no answer this many seconds after it was sent, and one to a
                 later publish on its channel, it ends SILENT (see the module's doc).
-            hold: once ACKed, it keeps its slot in the lane's window until
+            hold: once ACKed, it takes one of the lane's ``lane_held`` slots until
                 ``release(lane)`` (the caller's own bookkeeping of it is not done yet:
-                what a crash can duplicate stays within ``lane_window``). A lost
-                connection frees every slot.
+                what a crash can duplicate stays within ``lane_window + lane_held``). A
+                lost connection frees every slot.
 
         Raises:
             ValueError: the properties do not fit in one frame (nothing was sent).
@@ -302,7 +309,7 @@ class Publisher:
         return state is not None and bool(state.waiting)
 
     def release(self, lane: str) -> None:
-        """Free the window slot a publish made with ``hold`` kept on ``lane`` since its
+        """Free the ``lane_held`` slot a publish made with ``hold`` took on ``lane`` at its
         ACK; what waits for room is sent after this loop step's callbacks have run (as
         after a confirm: the acks they queue are written first)."""
         state = self._lanes.get(lane)
@@ -431,7 +438,7 @@ class Publisher:
                 self._probe(lane)
             return
         while lane.waiting and lane.channel is not None and not lane.suspects:
-            if len(lane.in_flight) + lane.held >= self._lane_window:
+            if len(lane.in_flight) >= self._lane_window or lane.held >= self._lane_held:
                 return  # sent on as its confirms come back (``_turn_over``)
             if self._unconfirmed >= self._window:
                 if not lane.blocked:

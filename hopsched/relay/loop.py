@@ -117,6 +117,12 @@ _HELD_OVERHEAD = 600
 #: due at once, killed 0.1 s after, had duplicated 3,800). 256 in flight still keep a
 #: lane at the broker's pace (see docs/guarantees.md for the figures).
 LANE_WINDOW = 256
+#: Deliveries and parks confirmed and not yet acked, each waiting for its journal record
+#: (a crash before it delivers it again, never leaves it "held" in the journal): with
+#: this many on a lane, it sends no more. A crash duplicates fewer than LANE_WINDOW +
+#: LANE_HELD per busy lane; counted in LANE_WINDOW instead, they slowed a burst of 10,000
+#: by a quarter (docs/guarantees.md).
+LANE_HELD = 128
 
 #: A relay that held half its prefetch unacked (its queue may back up) takes no clock
 #: sample from a producer's hop for this long after, s (``HopTiming.observe_broker``).
@@ -430,7 +436,7 @@ class _Session:
         self.stats = relay.stats
         self.clock = relay.clock
         self.connection = connection
-        self.publisher = Publisher(connection, lane_window=LANE_WINDOW)
+        self.publisher = Publisher(connection, lane_window=LANE_WINDOW, lane_held=LANE_HELD)
         #: delivered, parked and refreshed records, once confirmed (``hopsched.journal.records``)
         self.journal = JournalWriter(
             self.publisher,
