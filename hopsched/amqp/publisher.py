@@ -152,7 +152,7 @@ class _Lane:
         self.blocked = False  # in Publisher._blocked: waits for the window
         self.waiting: deque[_Item] = deque()
         self.in_flight: dict[int, _Item] = {}
-        self.held = 0  # confirmed publishes that keep their window slot until released
+        self.held = 0  # confirmed publishes made with hold, not yet released
         self.suspects: deque[_Item] = deque()
         self.probing: _Item | None = None
         self.last_used = time.monotonic()

@@ -63,8 +63,8 @@ RECORDS_PER_MESSAGE = 1000
 #: broker's work per delivery is what bounds a relay's rate on a shared machine.
 FLUSH_AFTER_S = 0.01
 #: A batch with this many records waiting on it (``add``'s ``then``) is written without
-#: waiting for ``FLUSH_AFTER_S``: a relay's lane window (256) never stands full of
-#: deliveries waiting for a batch's timer.
+#: waiting for ``FLUSH_AFTER_S``: a relay's lane never stands still with its
+#: ``LANE_HELD`` (128) deliveries waiting for a batch's timer.
 WAITING_PER_FLUSH = 128
 #: A write with no answer after this long (s) runs its records' ``then`` all the same: a
 #: journal that answers nothing (its stream's leader frozen) never holds deliveries up.

@@ -279,7 +279,7 @@ class Parking:
 
     def _parked(self, delivery: amqp.Delivery, park: Park, target: str) -> None:
         """The parked copy is confirmed: count it, journal it, say it; ack the delivery
-        and free its window slot once its record is written (as a delivery's)."""
+        and free its held slot once its record is written (as a delivery's)."""
         self.stats.record_parked(park.kind)
         tag = delivery.delivery_tag
 
@@ -295,7 +295,7 @@ class Parking:
         else:
             record = parked_record(envelope, len(delivery.body), self.clock(), park.reason)
             self.journal.add(record, recorded)
-            if self.publisher.waiting(LADDER_LANE):  # its window is full: no 10 ms wait
+            if self.publisher.waiting(LADDER_LANE):  # publishes wait for room: no 10 ms wait
                 self.journal.flush_soon()
         if park.kind in NOTICED:
             self.notices.note_parked(self.publisher, schedule_id(delivery), park.kind)

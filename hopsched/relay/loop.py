@@ -888,7 +888,7 @@ class _Session:
         hold: bool = False,
     ) -> None:
         """Publish: ``outcome`` runs on the confirm (acks, or takes a detour), or after
-        ``silence_s`` of silence; with ``hold``, an ACKed one keeps its window slot
+        ``silence_s`` of silence; with ``hold``, an ACKed one takes a ``LANE_HELD`` slot
         until ``outcome`` has it released (``Publisher.publish``)."""
         try:
             self.publisher.publish(
@@ -986,7 +986,7 @@ class _Session:
                 # Acked once the record is written: a crash before then delivers it
                 # again (one of the lane's window), never leaves it "held" for ever.
                 self.journal.add(delivered_record(envelope, len(delivery.body), now), recorded)
-                if self.publisher.waiting(lane):  # its window is full: no 10 ms wait
+                if self.publisher.waiting(lane):  # publishes wait for room: no 10 ms wait
                     self.journal.flush_soon()
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
