@@ -289,6 +289,8 @@ def _show_status(
             text = "not declared yet (a relay or the first schedule declares it)"
         elif name in topology.holding_queues:
             text += " (an interrupted upgrade: run `hopsched upgrade` again)"
+        elif depth is not None and name in (*topology.streams, topology.ingress_registry):
+            text += " in the stream (batches of records; none to deliver)"
         click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
     click.echo(_journal_line(journal))
