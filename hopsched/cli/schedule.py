@@ -440,6 +440,16 @@ def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
     return f"schedule {schedule_id!r} is {info.state}{at}, no longer pending"
 
 
+#: How a copy came (``ScheduleInfo.origin``), in words: the API and the CLI write alike.
+_ORIGINS = {
+    "schedule": "scheduled",
+    "replace": "scheduled with replace",
+    "reschedule": "rescheduled",
+    "ingress": "taken from an ingress (x-delay)",
+    "refresh": "scheduled; the record read is a relay's refresh of it",
+}
+
+
 def _info_lines(info: ScheduleInfo) -> list[str]:
     lines = [
         f"{info.schedule_id}: {info.state}",
@@ -448,10 +458,11 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
     ]
     if info.size is not None:
         lines.append(f"  size     {info.size} bytes")
-    if info.user is not None or info.owner is not None:  # whose records change it
-        owners = [f"RabbitMQ user {info.user!r}"] if info.user is not None else []
-        owners += [f"signing key {info.owner!r}"] if info.owner is not None else []
-        lines.append(f"  owner    {', '.join(owners)}")
+    # Whose records change it; named as in --json (``user``, ``owner``).
+    if info.user is not None:
+        lines.append(f"  user     RabbitMQ user {info.user!r}")
+    if info.owner is not None:
+        lines.append(f"  owner    signing key {info.owner!r}")
     if info.occurrence:
         lines.append(f"  recurring, occurrence {info.occurrence} (docs/recurring.md)")
     if info.pending_copies and info.pending_copies > 1:
@@ -460,7 +471,8 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
             "once without --replace; each is delivered); this is the newest"
         )
     if info.origin is not None and info.origin != "recurring":
-        lines.append(f"  by       {info.origin}() at {us_to_datetime(info.created_us).isoformat()}")
+        how = _ORIGINS.get(info.origin, info.origin)
+        lines.append(f"  created  {us_to_datetime(info.created_us).isoformat()} ({how})")
     for label, when in (
         ("delivered", info.delivered_us),
         ("parked", info.parked_us),
