@@ -446,7 +446,6 @@ _ORIGINS = {
     "replace": "scheduled with replace",
     "reschedule": "rescheduled",
     "ingress": "taken from an ingress (x-delay)",
-    "refresh": "scheduled; the record read is a relay's refresh of it",
 }
 
 

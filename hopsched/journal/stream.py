@@ -113,13 +113,18 @@ class JournalWriter:
         self._in_flight = 0  # stream writes not answered yet
         self._idle: asyncio.Event | None = None
 
-    def add(self, record: JournalRecord, then: Callable[[], None] | None = None) -> None:
+    def add(
+        self, record: JournalRecord, then: Callable[[], None] | None = None, *, hurry: bool = False
+    ) -> None:
         """Write ``record`` with the others added within ``FLUSH_AFTER_S``; ``then()``
         runs once that write is answered, whatever the answer (a record the stream did
         not take is counted and lost, as a record is), or ``THEN_AFTER_S`` after it was
         sent with no answer, or at once if it could not be sent. A relay acks a
         delivery in ``then``: a crash before its record is written delivers it again
-        rather than leave it "held" in the journal for ever."""
+        rather than leave it "held" in the journal for ever. ``hurry``: publishes wait
+        for the slot ``then`` frees, so the batch is written once this loop step's
+        callbacks have run (every confirm of one read together), not ``FLUSH_AFTER_S``
+        later."""
         if not self._batch:
             asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self.flush)
         self._batch.append(record)
@@ -127,12 +132,7 @@ class JournalWriter:
             self._then.append(then)
         if len(self._batch) >= RECORDS_PER_MESSAGE or len(self._then) >= WAITING_PER_FLUSH:
             self.flush()
-
-    def flush_soon(self) -> None:
-        """``flush`` once this loop step's callbacks have run (the records of every
-        confirm in one read go together), not ``FLUSH_AFTER_S`` later: publishes wait
-        for the window slots the deliveries of these records hold."""
-        if not self._flushing_soon:
+        elif hurry and not self._flushing_soon:
             self._flushing_soon = True
             asyncio.get_running_loop().call_soon(self._flush_now)
 

@@ -294,9 +294,7 @@ class Parking:
             recorded()
         else:
             record = parked_record(envelope, len(delivery.body), self.clock(), park.reason)
-            self.journal.add(record, recorded)
-            if self.publisher.waiting(LADDER_LANE):  # publishes wait for room: no 10 ms wait
-                self.journal.flush_soon()
+            self.journal.add(record, recorded, hurry=self.publisher.waiting(LADDER_LANE))
         if park.kind in NOTICED:
             self.notices.note_parked(self.publisher, schedule_id(delivery), park.kind)
         if self.stats.first_problem(target, f"parked ({park.kind})"):

@@ -985,9 +985,8 @@ class _Session:
                     self.stats.recurring_delivered += 1
                 # Acked once the record is written: a crash before then delivers it
                 # again (one of the lane's window), never leaves it "held" for ever.
-                self.journal.add(delivered_record(envelope, len(delivery.body), now), recorded)
-                if self.publisher.waiting(lane):  # publishes wait for room: no 10 ms wait
-                    self.journal.flush_soon()
+                record = delivered_record(envelope, len(delivery.body), now)
+                self.journal.add(record, recorded, hurry=self.publisher.waiting(lane))
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
                 self.parking.park(delivery, Park(reason, ParkKind.UNROUTABLE))
