@@ -485,11 +485,6 @@ async def restart_case(
     the node or the relay was away."""
     settings = hopsched.Settings(url=node.url, prefix=unique(), log_interval_s=5.0)
     relay = await relays.start(settings)
-    if how == "kill":
-        # A node killed soon after its first stream was declared restarts with its
-        # streams down for good (docs/operations.md, 'A stream down after a crash'):
-        # within 3 min on RabbitMQ 3.10, a moment on 4.0 (1 s sufficed unloaded).
-        await asyncio.sleep(15 if node.installation.version.startswith(("4", "5")) else 185)
     name = unique("x")
     await declare_ingress(settings, Ingress(name, "direct"))
     queue_name = unique("q")
@@ -498,6 +493,14 @@ async def restart_case(
         channel = await connection.channel()
         await channel.declare_queue(queue_name, durable=True)
         await bind_to_due_exchange(settings, name, queue_name, "")
+        if how == "kill":
+            # A node killed soon after a declaration can come back without it
+            # (docs/operations.md, 'Declared just before a crash'): its first stream
+            # down for good within 3 min on RabbitMQ 3.10, a moment on 4.0; on 4.0.5
+            # (Mnesia) this binding, made 0.2 s before the kill, came back missing in 2
+            # of 4 runs, every message then parked as unroutable. The setup is not
+            # what this test is about: it settles before the publishes.
+            await asyncio.sleep(15 if node.installation.version.startswith(("4", "5")) else 185)
         sent = await publish(connection, name, delays)
     await asyncio.sleep(wait_s)
     restarted = time.monotonic()
