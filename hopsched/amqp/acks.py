@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from hopsched import amqp
 
@@ -25,7 +26,7 @@ class Acker:
     """Acks deliveries of one consumer channel.
 
     Call ``received(tag)`` for every delivery in order, then ``done(tag)`` or
-    ``rejected(tag)`` once each.
+    ``rejected(tag)`` once each. ``ack_after(tag)`` defers a delivery's ack further.
 
     Args:
         channel: the consumer's channel.
@@ -39,6 +40,8 @@ class Acker:
         self._outstanding: deque[int] = deque()
         self._finished: set[int] = set()
         self._sent: set[int] = set()  # settled alone while an older tag is outstanding
+        self._deferred: dict[int, int] = {}  # tag -> calls of ack_after's functions to come
+        self._done_deferred: set[int] = set()  # done, its ack deferred
         self._scheduled = False
         self._settled = asyncio.Event()
         self._settled.set()
@@ -55,8 +58,28 @@ class Acker:
         """Return once every delivery received so far is settled and its ack sent."""
         await self._settled.wait()
 
+    def ack_after(self, delivery_tag: int) -> Callable[[], None]:
+        """Defer ``delivery_tag``'s ack until the returned function is called too, as well
+        as ``done``: for a record its delivery must not be acked without (a crash
+        between the ack and the record's write would lose the record)."""
+        self._deferred[delivery_tag] = self._deferred.get(delivery_tag, 0) + 1
+
+        def happened() -> None:
+            left = self._deferred.pop(delivery_tag) - 1
+            if left:
+                self._deferred[delivery_tag] = left
+            elif delivery_tag in self._done_deferred:
+                self._done_deferred.discard(delivery_tag)
+                self.done(delivery_tag)
+
+        return happened
+
     def done(self, delivery_tag: int) -> None:
-        """Ack ``delivery_tag`` (in this loop iteration's batch)."""
+        """Ack ``delivery_tag`` (in this loop iteration's batch), or once every function
+        ``ack_after`` gave for it was called."""
+        if delivery_tag in self._deferred:
+            self._done_deferred.add(delivery_tag)
+            return
         self._finished.add(delivery_tag)
         if not self._scheduled:
             self._scheduled = True

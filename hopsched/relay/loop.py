@@ -1,14 +1,15 @@
 """The relay: consume ``{prefix}.relay``; decide; publish a hop, a final delivery at the
 due time, or a parked copy; ack once the broker confirms.
 
-Reliability: a delivery is acked only after the publish it leads to is confirmed (a
-final delivery or a park: and its journal record written), so a crash duplicates,
-never loses, and the journal never misses an outcome a crash left unrecorded. The
-relay never returns a delivery to its queue: what it cannot deliver is parked with a
-reason, a target that refuses a message gets it again after a back-off hop, and a
-message it cannot even park is handed back with ``basic.nack(requeue=false)``, which
-``{prefix}.relay`` dead-letters into the parking queue. Nothing waits unacked longer
-than the hold window, so RabbitMQ's ``consumer_timeout`` is never reached.
+Reliability: a delivery is acked only after the publish it leads to is confirmed and
+the journal record it leads to (an ingress message's, a refresh, a delivery, a park)
+is written, so a crash duplicates, never loses, and the journal never misses what a
+crash left unrecorded. The relay never returns a delivery to its queue: what it
+cannot deliver is parked with a reason, a target that refuses a message gets it
+again after a back-off hop, and a message it cannot even park is handed back with
+``basic.nack(requeue=false)``, which ``{prefix}.relay`` dead-letters into the parking
+queue. Nothing waits unacked longer than the hold window, so RabbitMQ's
+``consumer_timeout`` is never reached.
 
 Deliveries are handled by callbacks inside the read that brought them (``hopsched.amqp``)
 and held ones by one timer (``Holds``), so a relayed message costs about 100 µs of CPU.
@@ -437,7 +438,7 @@ class _Session:
         self.clock = relay.clock
         self.connection = connection
         self.publisher = Publisher(connection, lane_window=LANE_WINDOW, lane_held=LANE_HELD)
-        #: delivered, parked and refreshed records, once confirmed (``hopsched.journal.records``)
+        #: ingested, delivered, parked and refreshed records (``hopsched.journal.records``)
         self.journal = JournalWriter(
             self.publisher,
             self.topology.journal_stream,
@@ -729,7 +730,10 @@ class _Session:
         except (ValueError, TypeError) as error:
             self.parking.park(delivery, Park(f"cannot re-publish it: {error}", ParkKind.TOO_LARGE))
             return
-        self.journal.add(ingested_record(ingested.envelope, encoded, delivery.body, now))
+        # Acked from the ingress only once this record is written too: a crash between
+        # the ack and the write would leave the id unknown to look-ups.
+        written = self.acker.ack_after(delivery.delivery_tag)
+        self.journal.add(ingested_record(ingested.envelope, encoded, delivery.body, now), written)
         self._route(delivery, again=True)
 
     def _enqueue(self, delivery: amqp.Delivery, envelope: Envelope) -> None:
@@ -938,12 +942,23 @@ class _Session:
             else:  # decide anew: the due time came closer meanwhile
                 self._route(delivery, nacks=nacks + 1)
 
+        # A long step's hop refreshes its journal record, which keeps it younger than
+        # the journal's retention.
+        refreshing = step_ms >= self.refresh_ms
+
+        def recorded() -> None:
+            self.acker.done(delivery.delivery_tag)
+            self.publisher.release(LADDER_LANE)
+
         def hopped(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_hop(retry=retry)
-                if step_ms >= self.refresh_ms:  # keeps it younger than the journal's retention
-                    self.journal.add(refreshed_record(envelope, encoded, delivery.body, now))
-                self.acker.done(delivery.delivery_tag)
+                if refreshing:  # acked once its record is written, as a delivery is
+                    refreshed = refreshed_record(envelope, encoded, delivery.body, now)
+                    hurry = self.publisher.waiting(LADDER_LANE)
+                    self.journal.add(refreshed, recorded, hurry=hurry)
+                else:
+                    self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
                 # The step queue is gone (an operator, an expires policy): declare it again.
                 self.declarer.redeclare(
@@ -959,7 +974,9 @@ class _Session:
 
         # A retry hop goes to its step whatever the step does: no silence to act on.
         silence_s = None if retry else STEP_SILENCE_S
-        self._publish(LADDER_LANE, "", queue, delivery, encoded, hopped, silence_s=silence_s)
+        self._publish(
+            LADDER_LANE, "", queue, delivery, encoded, hopped, silence_s=silence_s, hold=refreshing
+        )
 
     def _deliver(self, final: _Final) -> None:
         """Publish to its target; ack once confirmed and its journal record written. A

@@ -26,7 +26,7 @@ from hopsched.core.clock import now_us
 from hopsched.core.ladder import MAX_STEP_MS
 from hopsched.journal.backlog import FIRST_WAIT_S
 from hopsched.journal.records import CANCELLED, DELIVERED, HELD, PARKED, PENDING, JournalRecord
-from hopsched.journal.stream import JournalWriter
+from hopsched.journal.stream import JournalWriter, read_journal
 
 S = 1_000_000
 
@@ -182,6 +182,41 @@ async def test_a_relay_s_record_is_in_the_journal_when_its_then_runs(
     finally:
         await connection.close()
     assert results == [(1, True), (1, False)]
+
+
+async def test_refreshing_hops_are_acked_once_their_records_are_written(
+    make_settings: Any, relays: Any, targets: Targets
+) -> None:
+    """A ladder whose top step is 256 ms refreshes a message's record at every top-step
+    hop; the relay acks such a hop only once that record is written, holding a slot of
+    the ladder's lane meanwhile (``LANE_HELD``, 128). 300 messages due in 3 s, each
+    refreshed at every hop until the last half second: every one delivered once, none
+    early (a slot never given back would stop the lane at 128), and the journal holds
+    their refreshes."""
+    settings = make_settings(max_step_ms=256, hold_window_ms=500)  # else held, not hopped
+    relay = await relays.start(settings)
+    target = await targets.queue()
+    async with hopsched.Scheduler(settings) as scheduler:
+        done = await scheduler.schedule_many(
+            [
+                hopsched.ScheduleRequest(b"r%d" % n, delay=3.0, routing_key=target.name)
+                for n in range(300)
+            ]
+        )
+    ids = {one.schedule_id for one in done}
+    await target.wait_for_ids(ids, within=60)
+    await target.settle(0.5)
+    assert sorted(r.schedule_id for r in target.received) == sorted(ids)
+    assert all(r.lateness_us >= 0 for r in target.received)
+    refreshes: list[str] = []
+
+    def seen(record: JournalRecord) -> None:
+        if record.origin == "refresh" and record.schedule_id in ids:
+            refreshes.append(record.schedule_id)
+
+    await read_journal(settings, copies=False, on_record=seen)
+    assert len(refreshes) >= 300, f"{len(refreshes)} refreshes"
+    assert relay.stats.snapshot().counters["journal_failures"] == 0
 
 
 async def test_replace_needs_a_schedule_id(scheduler: hopsched.Scheduler) -> None:

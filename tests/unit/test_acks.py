@@ -111,3 +111,36 @@ async def test_an_acker_made_not_lazy_sends_every_ack_at_once() -> None:
     acker.flush()
 
     assert channel.sent == [("ack", 1, True), ("ack", 3, False)]
+
+
+@given(count=st.integers(1, 40), data=st.data())
+async def test_a_deferred_ack_waits_for_done_and_every_function_ack_after_gave(
+    count: int, data: Any
+) -> None:
+    """``ack_after``: a delivery is acked only once it is done and each function given
+    for it was called, in whatever order those come; the others as before."""
+    channel = RecordingChannel()
+    acker = Acker(channel)  # type: ignore[arg-type]
+    tags = list(range(1, count + 1))
+    for tag in tags:
+        acker.received(tag)
+    events: list[tuple[str, int, Any]] = [("done", tag, None) for tag in tags]
+    for tag in data.draw(st.lists(st.sampled_from(tags), max_size=2 * count)):
+        events.append(("happened", tag, acker.ack_after(tag)))
+    order = data.draw(st.permutations(events))
+    outstanding = {tag: sum(1 for _, t, _ in events if t == tag) for tag in tags}
+    ready: set[int] = set()
+    for kind, tag, happened in order:
+        if kind == "done":
+            acker.done(tag)
+        else:
+            happened()
+        outstanding[tag] -= 1
+        if not outstanding[tag]:
+            ready.add(tag)
+        if data.draw(st.booleans()):  # the end of an event-loop iteration
+            acker.flush()
+            assert set(broker_view(channel.sent, tags)) <= ready
+    acker.flush()
+    assert broker_view(channel.sent, tags) == {tag: "ack" for tag in tags}
+    assert len(acker) == 0
