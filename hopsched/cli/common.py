@@ -103,7 +103,10 @@ def connection_options(command: F) -> F:
                 help="AMQP URL, or the URLs of a cluster's nodes comma-separated "
                 "[env HOPSCHED_URL; default local guest].",
             ),
-            click.option("--prefix", help="Namespace of the broker objects [HOPSCHED_PREFIX]."),
+            click.option(
+                "--prefix",
+                help="Namespace of the broker objects [env HOPSCHED_PREFIX; default hopsched].",
+            ),
             click.option(
                 "--queue-type",
                 type=click.Choice(["quorum", "classic"]),
