@@ -8,6 +8,7 @@ printed, and bounded only far below what F37 measured (61.5 s, or 49.7 days).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import Sequence
@@ -217,6 +218,30 @@ async def test_refreshing_hops_are_acked_once_their_records_are_written(
     await read_journal(settings, copies=False, on_record=seen)
     assert len(refreshes) >= 300, f"{len(refreshes)} refreshes"
     assert relay.stats.snapshot().counters["journal_failures"] == 0
+
+
+async def test_get_many_answers_as_get_does_from_one_read(
+    scheduler: hopsched.Scheduler,
+) -> None:
+    """``get_many``: a pending id, a cancelled one and an unknown one, each as ``get()``
+    says it (but ``pending_copies``, a listing's None); a bad id raises before reading."""
+    key = unique("nowhere")
+    kept = await scheduler.schedule(b"kept", delay=3600, routing_key=key)
+    gone = await scheduler.schedule(b"gone", delay=3600, routing_key=key)
+    await scheduler.cancel(gone)
+    unknown = unique("never-scheduled")
+    many = await scheduler.get_many([kept.schedule_id, gone.schedule_id, unknown])
+    assert list(many) == [kept.schedule_id, gone.schedule_id, unknown]
+    assert many[unknown] is None
+    for schedule_id, state in ((kept.schedule_id, PENDING), (gone.schedule_id, CANCELLED)):
+        one = await scheduler.get(schedule_id)
+        info = many[schedule_id]
+        assert info is not None
+        assert one is not None
+        assert info.state == state
+        assert info == dataclasses.replace(one, pending_copies=None)
+    with pytest.raises(hopsched.InvalidScheduleError):
+        await scheduler.get_many([kept.schedule_id, ""])
 
 
 async def test_replace_needs_a_schedule_id(scheduler: hopsched.Scheduler) -> None:
