@@ -593,7 +593,16 @@ async def test_F11(
     assert modes == {transient.schedule_id: 1, persistent.schedule_id: 2}
 
     # --- the 90 s copy, after many hops, equals the control too.
-    await inbox.wait_for(4, within=90 + 30)
+    try:
+        await inbox.wait_for(4, within=90 + 30)
+    except pytest.fail.Exception:  # where it is, for the report (one CI run missed it)
+        topology = hopsched.Topology.from_settings(settings)
+        queues = [topology.relay_queue, topology.parked_queue, *topology.step_queues]
+        depths = {q: await message_count(amqp, q) for q in queues}
+        info = await scheduler.get(slow.schedule_id)
+        print(f"the 90 s copy: {info}; ready {[(q, n) for q, n in depths.items() if n]}")
+        print(f"relay: {relay.stats.snapshot()}")
+        raise
     await inbox.settle(0.5)
     inbox.assert_never_early()
     assert inbox.counts() == {s.schedule_id: 1 for s in (fast, slow, transient, persistent)}
