@@ -69,6 +69,7 @@ from hopsched.errors import (
 )
 from hopsched.journal.cancels import CancelReader
 from hopsched.journal.records import (
+    JournalRecord,
     delivered_record,
     ingested_record,
     next_occurrence_record,
@@ -946,17 +947,12 @@ class _Session:
         # the journal's retention.
         refreshing = step_ms >= self.refresh_ms
 
-        def recorded() -> None:
-            self.acker.done(delivery.delivery_tag)
-            self.publisher.release(LADDER_LANE)
-
         def hopped(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is amqp.Outcome.ACK:
                 self.stats.record_hop(retry=retry)
                 if refreshing:  # acked once its record is written, as a delivery is
                     refreshed = refreshed_record(envelope, encoded, delivery.body, now)
-                    hurry = self.publisher.waiting(LADDER_LANE)
-                    self.journal.add(refreshed, recorded, hurry=hurry)
+                    self._ack_once_recorded(delivery, LADDER_LANE, refreshed)
                 else:
                     self.acker.done(delivery.delivery_tag)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
@@ -978,6 +974,16 @@ class _Session:
             LADDER_LANE, "", queue, delivery, encoded, hopped, silence_s=silence_s, hold=refreshing
         )
 
+    def _ack_once_recorded(self, delivery: amqp.Delivery, lane: str, record: JournalRecord) -> None:
+        """Write ``record``; then ack ``delivery`` and give back the ``LANE_HELD`` slot its
+        publish (``hold=True``) keeps on ``lane``."""
+
+        def recorded() -> None:
+            self.acker.done(delivery.delivery_tag)
+            self.publisher.release(lane)
+
+        self.journal.add(record, recorded, hurry=self.publisher.waiting(lane))
+
     def _deliver(self, final: _Final) -> None:
         """Publish to its target; ack once confirmed and its journal record written. A
         target that refuses it gets it again after a back-off hop
@@ -990,10 +996,6 @@ class _Session:
         target = f"exchange {envelope.exchange!r} routing key {envelope.routing_key!r}"
         lane = target_lane(envelope.exchange)
 
-        def recorded() -> None:  # its delivered record is written: done
-            self.acker.done(delivery.delivery_tag)
-            self.publisher.release(lane)
-
         def delivered(outcome: amqp.Outcome, detail: Any) -> None:
             now = self.clock()
             if outcome is amqp.Outcome.ACK:
@@ -1003,7 +1005,7 @@ class _Session:
                 # Acked once the record is written: a crash before then delivers it
                 # again (one of the lane's window), never leaves it "held" for ever.
                 record = delivered_record(envelope, len(delivery.body), now)
-                self.journal.add(record, recorded, hurry=self.publisher.waiting(lane))
+                self._ack_once_recorded(delivery, lane, record)
             elif outcome is amqp.Outcome.RETURNED:
                 reason = f"unroutable: no queue is bound to {target} ({detail})"
                 self.parking.park(delivery, Park(reason, ParkKind.UNROUTABLE))
