@@ -37,10 +37,10 @@ async def test_a_private_node_survives_kill_9_with_its_durable_messages(
     await channel.default_exchange.publish(
         aio_pika.Message(b"x", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "kept"
     )
-    # The confirm puts the message on disk, but RabbitMQ 3.x keeps queue definitions in
-    # Mnesia, whose log reaches the disk lazily: a kill -9 right after the declaration
-    # lost the queue itself once in CI. Flush it, as time would.
-    await private_broker.rabbitmqctl("eval", "mnesia:dump_log().")
+    # The confirm puts the message on disk, but Mnesia (RabbitMQ 3.x, and 4.x without
+    # Khepri) writes queue definitions lazily: a kill -9 right after the declaration
+    # lost the queue itself once in CI. Write it now, as time would.
+    await private_broker.sync_metadata()
     pid = private_broker.pid
     assert pid is not None
 
