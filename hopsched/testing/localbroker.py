@@ -340,10 +340,15 @@ class PrivateBroker:
         config: str = "",
         plugins: Sequence[str] = (),
         *,
-        plugins_dirs: Sequence[Path] = (),
+        plugins_dirs: Sequence[str | os.PathLike[str]] = (),
         cookie: str | None = None,
         management: bool = False,
     ) -> None:
+        for name, given in (("plugins", plugins), ("plugins_dirs", plugins_dirs)):
+            if isinstance(given, str | os.PathLike):  # would be read letter by letter
+                raise LocalBrokerError(
+                    f"{name}={given!r}: give a sequence, e.g. {name}=({given!r},)"
+                )
         self.installation = installation
         self.root = root
         self.node = f"hopsched-{uuid.uuid4().hex[:8]}@localhost"
@@ -402,13 +407,13 @@ class PrivateBroker:
         self.env["RABBITMQ_NODE_PORT"] = str(self.port)
         self.env["RABBITMQ_DIST_PORT"] = str(self.dist_port)
 
-    def _plugins_path(self, plugins_dirs: Sequence[Path]) -> list[Path]:
+    def _plugins_path(self, plugins_dirs: Sequence[str | os.PathLike[str]]) -> list[Path]:
         """The installation's ``plugins/`` and then ``plugins_dirs``, as the scripts see
         them: a directory outside the installation's chroot is copied into ``root``."""
         installation = self.installation
         path = [installation.inside(installation.lib_dir / "plugins")]
         for number, given in enumerate(plugins_dirs):
-            directory = given.resolve()
+            directory = Path(given).resolve()
             if not directory.is_dir():
                 raise LocalBrokerError(f"plugins directory {given} does not exist")
             chroot = installation.chroot
@@ -709,7 +714,7 @@ async def private_node(
     config: str = "",
     *,
     plugins: Sequence[str] = (),
-    plugins_dirs: Sequence[Path] = (),
+    plugins_dirs: Sequence[str | os.PathLike[str]] = (),
     management: bool = False,
     khepri: bool = False,
     installation: Installation | None = None,
@@ -829,7 +834,7 @@ async def private_cluster(
     config: str = "",
     *,
     plugins: Sequence[str] = (),
-    plugins_dirs: Sequence[Path] = (),
+    plugins_dirs: Sequence[str | os.PathLike[str]] = (),
     management: bool = False,
     khepri: bool = False,
     installation: Installation | None = None,

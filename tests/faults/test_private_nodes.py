@@ -89,11 +89,11 @@ async def test_a_plugin_in_an_extra_plugins_directory_is_enabled(tmp_path: Path)
     """``plugins_dirs`` (``RABBITMQ_PLUGINS_DIR``) comes after the installation's own
     directory: the plugin found there runs, and the dependency it names is found in the
     installation's (its ``x-random`` exchange type works). With a chroot, ``tmp_path``
-    (outside it) is copied into the node's directory."""
+    (outside it) is copied into the node's directory. A directory may be a str."""
     write_probe_plugin(tmp_path)
 
     async with private_node(
-        plugins=[PROBE_PLUGIN], plugins_dirs=[tmp_path], installation=require_rabbitmq()
+        plugins=[PROBE_PLUGIN], plugins_dirs=[str(tmp_path)], installation=require_rabbitmq()
     ) as node:
         plugins = await node.active_plugins()
         connection = await aio_pika.connect(node.url)
@@ -112,6 +112,17 @@ async def test_a_missing_plugins_directory_is_refused_before_a_node_starts(
 
     with pytest.raises(LocalBrokerError, match="no-such-directory does not exist"):
         async with private_node(plugins_dirs=[missing_dir], installation=require_rabbitmq()):
+            pass
+
+
+@pytest.mark.parametrize("argument", ["plugins", "plugins_dirs"])
+async def test_a_lone_string_for_a_sequence_is_refused_before_a_node_starts(
+    argument: str, tmp_path: Path
+) -> None:
+    """``plugins="rabbitmq_x"`` would be read letter by letter: it is refused, naming
+    the fix."""
+    with pytest.raises(LocalBrokerError, match=rf"{argument}='{tmp_path}': give a sequence"):
+        async with private_node(installation=require_rabbitmq(), **{argument: str(tmp_path)}):
             pass
 
 
