@@ -26,7 +26,7 @@ from hopsched.cli.common import (
 from hopsched.cli.durations import describe_duration
 from hopsched.cli.notes import interrupted_schedule, other_pending
 from hopsched.client.prepare import check_schedule_id, due_time_us
-from hopsched.client.scheduler import Cancelled, Scheduler
+from hopsched.client.scheduler import CANCEL_LEAD_S, Cancelled, Scheduler
 from hopsched.client.sending import Scheduled
 from hopsched.core.cancel import reaches, writer_scope
 from hopsched.core.clock import datetime_to_us, now_us, us_to_datetime
@@ -278,16 +278,17 @@ def cancel(
     (docs/security.md)."""
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
 
-    async def go() -> tuple[list[Cancelled], JournalFold | str]:
+    async def go() -> tuple[list[Cancelled], int, JournalFold | str]:
         async with Scheduler(settings) as scheduler:  # refuses a prefix that does not exist
             results = await scheduler.cancel_many(schedule_ids)
+            confirmed_us = now_us()  # at the latest: when the in-time lead counts from
         try:
-            return results, await read_journal(settings, copies=False)
+            return results, confirmed_us, await read_journal(settings, copies=False)
         except HopschedError as error:
-            return results, str(error)
+            return results, confirmed_us, str(error)
 
     started_us = now_us()
-    results, journal = run(go())
+    results, confirmed_us, journal = run(go())
     hold_us = settings.ladder.hold_window_ms * 1000
     not_ours = []
     for result in results:
@@ -298,29 +299,37 @@ def cancel(
         )
         if isinstance(journal, str):
             click.echo(f"cancel recorded {result.schedule_id}")
-        elif info is None:
-            click.echo(f"cancel recorded {result.schedule_id}: the journal knows no such schedule")
-        elif info.state == CANCELLED and (info.cancelled_us or 0) < started_us:
+        elif info is not None and info.state == CANCELLED and (info.cancelled_us or 0) < started_us:
             when = us_to_datetime(info.cancelled_us or 0).isoformat()
             click.echo(
                 f"{result.schedule_id} was cancelled already, at {when} (was due "
                 f"{info.due.isoformat()}): nothing changed"
             )
-        elif info.state == CANCELLED:
-            click.echo(f"cancelled {result.schedule_id} (was due {info.due.isoformat()})")
-        elif info.state in (PENDING, HELD) and not _ours(info, settings):
+        elif info is not None and info.state == CANCELLED:
+            due = info.due.isoformat()
+            click.echo(
+                f"cancelled {result.schedule_id} (was due {due}){_timing(info, confirmed_us)}"
+            )
+        elif info is not None and info.state in (PENDING, HELD) and not _ours(info, settings):
             not_ours.append(result.schedule_id)
             click.echo(
-                f"cancel recorded {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
+                f"not cancelled {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
             )
-        elif info.state in (PENDING, HELD):
+        elif info is not None and info.state in (PENDING, HELD):
             click.echo(
                 f"cancel recorded {result.schedule_id}: the journal does not show it yet (its "
                 "write may have failed; the relays apply the cancel): check with hopsched get"
             )
+        elif info is None:
+            click.echo(
+                f"{result.schedule_id}: nothing pending to cancel: "
+                f"{_not_pending(result.schedule_id, info)}; the cancel is recorded all the same, "
+                "for a message of this id scheduled before now that the journal does not show yet"
+            )
         else:
             click.echo(
-                f"cancel recorded {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
+                f"{result.schedule_id}: nothing pending to cancel: "
+                f"{_not_pending(result.schedule_id, info)} (the cancel is recorded all the same)"
             )
     if isinstance(journal, str):
         click.echo(
@@ -422,6 +431,18 @@ def _ours(info: ScheduleInfo, settings: Settings) -> bool:
     return any(reaches(scope, info.owner, info.user) for scope in scopes)
 
 
+def _timing(info: ScheduleInfo, confirmed_us: int) -> str:
+    """Whether a cancel confirmed by ``confirmed_us`` came in time (as
+    ``Cancelled.in_time``): ``CANCEL_LEAD_S`` or more before the due time, or not."""
+    lead_s = (info.due_us - confirmed_us) / 1e6
+    if lead_s >= CANCEL_LEAD_S:
+        return ": in time, it will not be delivered"
+    return (
+        f": late ({lead_s * 1000:.0f} ms before its due time; under {CANCEL_LEAD_S * 1000:.0f} "
+        "ms the delivery may win): it may have been delivered"
+    )
+
+
 def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
     """Why the journal has nothing pending for ``schedule_id``."""
     if info is None:
@@ -486,29 +507,47 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
 
 @click.command()
 @connection_options
-@click.argument("schedule_id")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("schedule_ids", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one line each).")
 def get(
-    url: str | None, prefix: str | None, queue_type: str | None, schedule_id: str, as_json: bool
+    url: str | None,
+    prefix: str | None,
+    queue_type: str | None,
+    schedule_ids: tuple[str, ...],
+    as_json: bool,
 ) -> None:
-    """What the journal says of one schedule: state (pending, held, delivered, cancelled,
-    parked), due time, target, size, when it was delivered, cancelled or parked. Exit 3
-    if it knows no such schedule."""
+    """What the journal says of schedules, by id: state (pending, held, delivered,
+    cancelled, parked), due time, target, size, when it was delivered, cancelled or
+    parked. Several ids cost one read of the journal. Exit 3 if it knows one of them
+    not."""
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
 
-    async def go() -> ScheduleInfo | None:
+    async def go() -> dict[str, ScheduleInfo | None]:
         async with Scheduler(settings) as scheduler:
-            return await scheduler.get(schedule_id)
+            if len(schedule_ids) == 1:  # get() counts the id's pending copies too
+                return {schedule_ids[0]: await scheduler.get(schedule_ids[0])}
+            return await scheduler.get_many(schedule_ids)
 
-    info = run(go())
-    if info is None:
-        if as_json:
-            click.echo(json.dumps({"schedule_id": schedule_id, "state": None}))
-        raise Unknown(_not_pending(schedule_id, None))
+    infos = run(go())
+    unknown = [schedule_id for schedule_id, info in infos.items() if info is None]
     if as_json:
-        click.echo(json.dumps(info.to_json()))
+        click.echo(
+            "\n".join(
+                json.dumps(info.to_json() if info else {"schedule_id": schedule_id, "state": None})
+                for schedule_id, info in infos.items()
+            )
+        )
     else:
-        click.echo("\n".join(_info_lines(info)))
+        known = [_info_lines(info) for info in infos.values() if info is not None]
+        if known:
+            click.echo("\n\n".join("\n".join(lines) for lines in known))
+    if len(unknown) == 1:
+        raise Unknown(_not_pending(unknown[0], None))
+    if unknown:
+        raise Unknown(
+            f"the journal knows no schedule {', '.join(map(repr, unknown))} (never scheduled "
+            "on this prefix, or their last records are older than the journal keeps)"
+        )
 
 
 @click.command()

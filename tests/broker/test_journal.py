@@ -405,6 +405,17 @@ async def test_the_cli_gets_lists_replaces_and_reschedules_from_another_process(
     status, out, err = await hopsched_cli("get", "no-such-id", settings=settings)
     assert status == 3
     assert "knows no schedule 'no-such-id'" in err
+    # several ids: one read of the journal, each id in order, exit 3 for the unknown one
+    status, out, err = await hopsched_cli("get", sid, "no-such-id", "--json", settings=settings)
+    assert status == 3
+    shown = [json.loads(line) for line in out.splitlines()]
+    assert [each["schedule_id"] for each in shown] == [sid, "no-such-id"]
+    assert shown[0]["state"] is not None
+    assert shown[1]["state"] is None
+    assert "knows no schedule 'no-such-id'" in err
+    status, out, err = await hopsched_cli("get", sid, "no-such-id", settings=settings)
+    assert (status, out.splitlines()[0].split(":")[0]) == (3, sid)
+    assert "knows no schedule 'no-such-id'" in err
     status, out, err = await hopsched_cli(
         "reschedule", "no-such-id", "--in", "1s", settings=settings
     )
