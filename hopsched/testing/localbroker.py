@@ -44,6 +44,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
@@ -80,6 +81,12 @@ __all__ = [
 SAVE_RA_DIRECTORY = (
     "[dets:sync(maps:get(directory_rev, maps:get(names, ra_system:fetch(S)))) "
     "|| S <- [coordination, quorum_queues]]."
+)
+#: ``_watch``'s loop ($1: this process, $2: the node, $3: its directory), run in the
+#: background by a shell that exits at once (no child left for this process to reap).
+_WATCH = (
+    'while kill -0 "$1" && kill -0 "$2"; do sleep 1; done 2>/dev/null; '
+    'if ! kill -0 "$1" 2>/dev/null; then kill -9 "$2" 2>/dev/null; rm -rf "$3"; fi'
 )
 #: Mnesia's transaction log is an Erlang ``disk_log``, which keeps what it is given in
 #: the node's memory before writing it: ``mnesia:sync_log()`` writes and fsyncs it. On
@@ -545,6 +552,17 @@ class PrivateBroker:
                 with contextlib.suppress(asyncio.CancelledError, LocalBrokerError):
                     await waiting
             self.pid = self._read_pid()
+            if self.pid is not None:
+                self._watch(self.pid)
+
+    def _watch(self, pid: int) -> None:
+        """Kill node ``pid`` and remove its directory if this process ends first without
+        ``close()`` (killed by SIGTERM or SIGKILL, where no ``finally`` runs: a CI job's
+        timeout): a detached shell loop checks both once a second, and ends with the
+        node."""
+        background = f"({_WATCH}) </dev/null >/dev/null 2>&1 &"
+        arguments = [str(os.getpid()), str(pid), str(self.root)]
+        subprocess.run(["sh", "-c", background, "hopsched-node-watch", *arguments], check=True)
 
     def _log_tail(self) -> str:
         return "\n".join(self.log().splitlines()[-15:])
@@ -720,7 +738,8 @@ async def private_node(
     installation: Installation | None = None,
 ) -> AsyncIterator[PrivateBroker]:
     """A started node in a new temporary directory; on exit, however it comes (an error,
-    a cancellation, Ctrl-C), the node is killed and the directory removed.
+    a cancellation, Ctrl-C), the node is killed and the directory removed; if this
+    process is killed (SIGTERM, SIGKILL), the node's watch does it within seconds.
 
     Args:
         config: extra ``rabbitmq.conf`` lines.

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -146,6 +147,49 @@ async def test_a_node_and_its_directory_are_gone_after_a_failing_body() -> None:
     [node] = seen
     assert node.pid is not None
     assert is_gone(node)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+async def test_a_node_is_killed_and_removed_when_its_python_process_is_killed(
+    signum: signal.Signals,
+) -> None:
+    """No ``finally`` runs in a process killed by SIGTERM (unhandled) or SIGKILL, as a CI
+    job's timeout kills it: the node's watch kills the node and removes its directory
+    within seconds (once, a killed script left a node of 1 GB running)."""
+    require_rabbitmq()
+    code = (
+        "import asyncio, sys\n"
+        "from hopsched.testing.localbroker import private_node\n"
+        "async def main():\n"
+        "    async with private_node() as node:\n"
+        "        print(node.pid, node.root, flush=True)\n"
+        "        await asyncio.sleep(3600)\n"
+        "asyncio.run(main())\n"
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        line = await asyncio.wait_for(process.stdout.readline(), 180)
+        pid, root = line.decode().split()
+        assert exists(int(pid), root)
+    finally:
+        process.send_signal(signum)
+        await process.wait()
+
+    async with asyncio.timeout(15):  # the watch looks once a second
+        while exists(int(pid), root):  # noqa: ASYNC110 (nothing signals it)
+            await asyncio.sleep(0.2)
+
+
+def exists(pid: int, root: str) -> bool:
+    """Whether process ``pid`` or directory ``root`` is still there."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return os.path.exists(root)
+    return True
 
 
 async def test_a_frozen_node_answers_again_after_sigcont(private_broker: PrivateBroker) -> None:
