@@ -518,8 +518,8 @@ def get(
 ) -> None:
     """What the journal says of schedules, by id: state (pending, held, delivered,
     cancelled, parked), due time, target, size, when it was delivered, cancelled or
-    parked. Several ids cost one read of the journal. Exit 3 if it knows one of them
-    not."""
+    parked. Several ids cost one read of the journal. Exit 3 if it knows any of them
+    not, naming those."""
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> dict[str, ScheduleInfo | None]:
