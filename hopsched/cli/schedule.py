@@ -329,7 +329,8 @@ def cancel(
         else:
             click.echo(
                 f"{result.schedule_id}: nothing pending to cancel: "
-                f"{_not_pending(result.schedule_id, info)} (the cancel is recorded all the same)"
+                f"{_not_pending(result.schedule_id, info)} (the cancel is recorded all the same; "
+                "it reaches no message scheduled after it)"
             )
     if isinstance(journal, str):
         click.echo(
@@ -458,7 +459,7 @@ def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
         )
     when = info.delivered_us or info.parked_us or info.cancelled_us
     at = f" at {us_to_datetime(when).isoformat()}" if when is not None else ""
-    return f"schedule {schedule_id!r} is {info.state}{at}, no longer pending"
+    return f"schedule {schedule_id!r} was {info.state}{at}, no longer pending"
 
 
 #: How a copy came (``ScheduleInfo.origin``), in words: the API and the CLI write alike.
@@ -518,8 +519,8 @@ def get(
 ) -> None:
     """What the journal says of schedules, by id: state (pending, held, delivered,
     cancelled, parked), due time, target, size, when it was delivered, cancelled or
-    parked. Several ids cost one read of the journal. Exit 3 if it knows any of them
-    not, naming those."""
+    parked. Several ids cost one read of the journal (and their pending_copies are not
+    counted: null). Exit 3 if it knows any of them not, naming those."""
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> dict[str, ScheduleInfo | None]:

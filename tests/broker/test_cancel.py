@@ -129,10 +129,13 @@ async def test_the_cli_says_a_delivered_id_had_nothing_pending_to_cancel(
 
     assert status == 0, err
     assert out.startswith(
-        f"{done.schedule_id}: nothing pending to cancel: schedule {done.schedule_id!r} is "
+        f"{done.schedule_id}: nothing pending to cancel: schedule {done.schedule_id!r} was "
         "delivered at "
     )
-    assert out.rstrip().endswith("no longer pending (the cancel is recorded all the same)")
+    assert out.rstrip().endswith(
+        "no longer pending (the cancel is recorded all the same; it reaches no message "
+        "scheduled after it)"
+    )
 
 
 async def test_the_same_id_scheduled_twice_then_cancelled_then_scheduled_again(
