@@ -299,32 +299,32 @@ def cancel(
         )
         if isinstance(journal, str):
             click.echo(f"cancel recorded {result.schedule_id}")
-        elif info is not None and info.state == CANCELLED and (info.cancelled_us or 0) < started_us:
-            when = us_to_datetime(info.cancelled_us or 0).isoformat()
-            click.echo(
-                f"{result.schedule_id} was cancelled already, at {when} (was due "
-                f"{info.due.isoformat()}): nothing changed"
-            )
-        elif info is not None and info.state == CANCELLED:
-            due = info.due.isoformat()
-            click.echo(
-                f"cancelled {result.schedule_id} (was due {due}){_timing(info, confirmed_us)}"
-            )
-        elif info is not None and info.state in (PENDING, HELD) and not _ours(info, settings):
-            not_ours.append(result.schedule_id)
-            click.echo(
-                f"not cancelled {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
-            )
-        elif info is not None and info.state in (PENDING, HELD):
-            click.echo(
-                f"cancel recorded {result.schedule_id}: the journal does not show it yet (its "
-                "write may have failed; the relays apply the cancel): check with hopsched get"
-            )
         elif info is None:
             click.echo(
                 f"{result.schedule_id}: nothing pending to cancel: "
                 f"{_not_pending(result.schedule_id, info)}; the cancel is recorded all the same, "
                 "for a message of this id scheduled before now that the journal does not show yet"
+            )
+        elif info.state == CANCELLED and (info.cancelled_us or 0) < started_us:
+            when = us_to_datetime(info.cancelled_us or 0).isoformat()
+            click.echo(
+                f"{result.schedule_id} was cancelled already, at {when} (was due "
+                f"{info.due.isoformat()}): nothing changed"
+            )
+        elif info.state == CANCELLED:
+            due = info.due.isoformat()
+            click.echo(
+                f"cancelled {result.schedule_id} (was due {due}){_timing(info, confirmed_us)}"
+            )
+        elif info.state in (PENDING, HELD) and not _ours(info, settings):
+            not_ours.append(result.schedule_id)
+            click.echo(
+                f"not cancelled {result.schedule_id}: {_not_pending(result.schedule_id, info)}"
+            )
+        elif info.state in (PENDING, HELD):
+            click.echo(
+                f"cancel recorded {result.schedule_id}: the journal does not show it yet (its "
+                "write may have failed; the relays apply the cancel): check with hopsched get"
             )
         else:
             click.echo(

@@ -158,7 +158,7 @@ async def test_a_node_is_killed_and_removed_when_its_python_process_is_killed(
     within seconds (once, a killed script left a node of 1 GB running)."""
     require_rabbitmq()
     code = (
-        "import asyncio, sys\n"
+        "import asyncio\n"
         "from hopsched.testing.localbroker import private_node\n"
         "async def main():\n"
         "    async with private_node() as node:\n"
