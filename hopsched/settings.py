@@ -184,6 +184,13 @@ class Settings:
             HTTP; see docs/operations.md, "Metrics"); 0 (the default): no endpoint.
         metrics_address: the address it listens on: ``127.0.0.1`` (the default, this
             machine only) or e.g. ``0.0.0.0`` / ``::`` for every interface.
+        lookups: a relay answers look-ups (``Scheduler.get``, ``get_many``) from the
+            journal it reads once and follows, in milliseconds however long the journal,
+            instead of each look-up reading it all (``hopsched.journal.lookups``; False by
+            default: it costs the relay the journal's memory, about 127 bytes per pending
+            schedule, and the CPU of reading every record).
+        lookup_timeout_s: how long ``get()`` waits for a relay's answer before it reads
+            the journal itself, s (no relay answering look-ups answers at once).
         signing_keys: keys (``SigningKey``, or ``KEY-ID:SECRET`` text with the secret in
             base64) that sign envelopes and records: the first signs, every one verifies
             (several during a rotation). Empty (the default): nothing is signed or
@@ -233,6 +240,8 @@ class Settings:
     allowed_targets: tuple[str, ...] = ()
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
+    lookups: bool = False
+    lookup_timeout_s: float = 1.0
     signing_keys: tuple[SigningKey | str, ...] = ()
     require_signatures: bool = False
     trusted_users: tuple[str, ...] = ()
@@ -272,7 +281,7 @@ class Settings:
             raise InvalidSettingsError(
                 f"prefetch {self.prefetch}: must be 1..65535 (AMQP basic.qos is 16 bits)"
             )
-        for name in ("log_interval_s", "publish_timeout_s", "target_retry_s"):
+        for name in ("log_interval_s", "publish_timeout_s", "target_retry_s", "lookup_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InvalidSettingsError(f"{name} {value!r}: must be a number of seconds")
@@ -313,6 +322,7 @@ class Settings:
         object.__setattr__(
             self, "require_signatures", _flag("require_signatures", self.require_signatures)
         )
+        object.__setattr__(self, "lookups", _flag("lookups", self.lookups))
         self.signatures  # noqa: B018 - a requirement without keys
         if isinstance(self.trusted_users, str):
             raise InvalidSettingsError(

@@ -241,6 +241,12 @@ class Topology:
         return f"{self.prefix}.journal"
 
     @property
+    def lookups(self) -> str:
+        """``{prefix}.lookups``: the exchange and queue of look-ups that relays answer
+        (``hopsched.journal.lookups``), auto-delete: they exist while one does."""
+        return f"{self.prefix}.lookups"
+
+    @property
     def ingress_queue(self) -> str:
         """``{prefix}.ingress``: what producers publish with ``x-delay`` to an ingress
         exchange (``hopsched.core.ingress``), until a relay schedules it."""
@@ -301,11 +307,15 @@ class Topology:
           default exchange); read on the steps (a queue with a dead-letter exchange needs
           read on itself, https://www.rabbitmq.com/docs/dlx#security), the relay queue,
           the streams (the journal: to restore a cancel stream declared anew) and
-          ``{prefix}.expired`` (the binding): not on the parking queue.
+          ``{prefix}.expired`` (the binding): not on the parking queue. Configure, write
+          and read on ``{prefix}.lookups`` (exchange and queue: answering look-ups,
+          ``Settings.lookups``).
         * ``"operator"`` (declare, status, teardown, upgrade, parked list and replay,
-          cancel and reschedule): configure and read on every object of the prefix and
-          on ``upgrade``'s holding queues; write on ``amq.default``, ``{prefix}.expired``
-          and the relay and holding queues (bindings).
+          cancel and reschedule, get and pending): configure and read on every object of
+          the prefix and on ``upgrade``'s holding queues; write on ``amq.default``,
+          ``{prefix}.expired``, the relay and holding queues (bindings) and
+          ``{prefix}.lookups`` (asking a relay; a producer may not: it may not read the
+          journal either).
 
         With ``ingress_exchanges`` (``hopsched.core.ingress``): a producer may write on those
         exchanges and nothing else (it publishes with ``x-delay`` as to the plugin); the
@@ -323,7 +333,7 @@ class Topology:
             ValueError: ``role`` is not one of ``ROLES``.
         """
         prefix = re.escape(self.prefix) + r"\."
-        own = r"step\.[0-9]+|expired|relay|ingress|ingresses|parked|cancelled|journal"
+        own = r"step\.[0-9]+|expired|relay|ingress|ingresses|parked|cancelled|journal|lookups"
         holds = "|".join(
             re.escape(name.removeprefix(self.prefix + ".")) for name in self.holding_queues
         )
@@ -336,15 +346,18 @@ class Topology:
             )
         if role == "relay":
             targets = sorted({re.escape(name) for name in target_exchanges if name})
-            write = "|".join([r"amq\.default", rf"{prefix}(expired|relay|due\..+)", *targets])
+            write = "|".join(
+                [r"amq\.default", rf"{prefix}(expired|relay|due\..+|lookups)", *targets]
+            )
             return Permissions(
                 configure=rf"^{prefix}({own})$",
                 write=f"^({write})$",
-                read=rf"^{prefix}(step\.[0-9]+|expired|relay|ingress|cancelled|journal)$",
+                read=rf"^{prefix}(step\.[0-9]+|expired|relay|ingress|cancelled|journal|lookups)$",
             )
         if role == "operator":
             every = "|".join([rf"{prefix}({own}|due\..+|{holds})", *ingresses])
-            write = rf"^(amq\.default|{prefix}(expired|relay|ingress|ingresses|due\..+|{holds}))$"
+            own_written = rf"expired|relay|ingress|ingresses|lookups|due\..+|{holds}"
+            write = rf"^(amq\.default|{prefix}({own_written}))$"
             return Permissions(configure=f"^({every})$", write=write, read=f"^({every})$")
         raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
 

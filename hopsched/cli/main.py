@@ -93,6 +93,13 @@ def main(verbose: int, log_format: str) -> None:
     help="Address the metrics endpoint listens on; 0.0.0.0 or :: for every interface "
     "[HOPSCHED_METRICS_ADDRESS; default 127.0.0.1].",
 )
+@click.option(
+    "--lookups/--no-lookups",
+    default=None,
+    help="Answer look-ups (get) from the journal read once and followed: milliseconds "
+    "however long the journal, for its memory (about 127 bytes per pending schedule) "
+    "[HOPSCHED_LOOKUPS; default off].",
+)
 def relay(
     url: str | None,
     prefix: str | None,
@@ -101,6 +108,7 @@ def relay(
     allowed_targets: tuple[str, ...],
     metrics_port: int | None,
     metrics_address: str | None,
+    lookups: bool | None,
 ) -> None:
     """Run the relay daemon until SIGINT or SIGTERM; logs totals once a minute and, with
     --metrics-port, serves Prometheus metrics (docs/operations.md, "Metrics")."""
@@ -112,6 +120,7 @@ def relay(
         allowed_targets=allowed_targets or None,
         metrics_port=metrics_port,
         metrics_address=metrics_address,
+        lookups=lookups,
     )
 
     async def serve() -> None:

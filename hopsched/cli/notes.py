@@ -30,9 +30,9 @@ async def other_pending(scheduler: Scheduler, schedule_id: str) -> str | None:
     """A warning if ``schedule_id``, just scheduled without ``replace``, has other
     messages pending (each is delivered: an id scheduled twice by mistake); None if not,
     or if the journal cannot be read (a producer's grant may not read it: then nothing is
-    said). Reads the journal from its start (``Scheduler.get``)."""
+    said). Reads the journal from its start (``Scheduler.get``, which counts copies)."""
     try:
-        info = await scheduler.get(schedule_id)
+        info = await scheduler.get(schedule_id, count_copies=True)
     except HopschedError as error:
         log.debug("not checking for other messages of %s: %s", schedule_id, error)
         return None

@@ -43,11 +43,13 @@ from hopsched.core.signing import Refusal
 from hopsched.core.validate import shorten
 from hopsched.errors import (
     AccessRefusedError,
+    BrokerConnectionLost,
     BrokerUnavailableError,
     ChannelClosedError,
     HopschedError,
     InvalidScheduleError,
 )
+from hopsched.journal.lookups import MAX_IDS, LookupAsker
 from hopsched.journal.records import (
     CANCELLED,
     HELD,
@@ -172,6 +174,7 @@ class Scheduler:
         self._login = self.settings.login  # parsed from the URL once, not per call
         self._owner = self.settings.owner
         self._journal_writer: JournalWriter | None = None
+        self._asker: LookupAsker | None = None  # on the ladder connection, once asked
         self._journal_connecting = asyncio.Lock()
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
@@ -836,15 +839,20 @@ class Scheduler:
             return "the journal's copy is unsigned, and this Scheduler signs with its keys"
         return None
 
-    async def get(self, schedule_id: str) -> ScheduleInfo | None:
+    async def get(self, schedule_id: str, *, count_copies: bool = False) -> ScheduleInfo | None:
         """What the journal says of ``schedule_id``: its state (pending, held, delivered,
         cancelled, parked), due time, target, size, and when it was delivered, cancelled
         or parked (with the reason); None if no record of it is kept (never scheduled, or
         its last record is older than the journal keeps, ``JOURNAL_RETENTION_US``).
 
-        It reads the journal from its start, from any process (a new connection): its
-        cost grows with the stream (docs/design.md, "The journal"). It writes one marker
-        record, to know where the stream ends.
+        A relay that answers look-ups (``Settings.lookups``) answers in milliseconds from
+        the journal it follows (``pending_copies`` None then); its answer knows every
+        record confirmed before the call, as a reading does (``hopsched.journal.lookups``).
+        Without one (or none answering within ``Settings.lookup_timeout_s``) it reads the
+        journal from its start, on a new connection: its cost grows with the stream
+        (docs/design.md, "The journal"). Either way it writes one marker record, to know
+        where the stream ends. ``count_copies``: read the journal, relay or not, to count
+        ``pending_copies`` (an id scheduled twice without ``replace``).
 
         Raises:
             InvalidScheduleError: not a valid schedule id.
@@ -852,11 +860,38 @@ class Scheduler:
                 write on amq.default: the operator's grant), ChannelClosedError (404: no
                 journal, a prefix no relay of this version served yet).
         """
-        return await self._info(check_known_id(schedule_id), copies=False)
+        schedule_id = check_known_id(schedule_id)
+        answered = None if count_copies else await self._ask_relays([schedule_id])
+        if answered is not None:
+            return answered[schedule_id]
+        return await self._info(schedule_id, copies=False)
+
+    async def _ask_relays(self, ids: Sequence[str]) -> dict[str, ScheduleInfo | None] | None:
+        """The relays' answer for ``ids`` (``LookupAsker.ask``, ``MAX_IDS`` a request),
+        None if any request of it had none, or the ladder's connection cannot be made:
+        then the journal is read."""
+        try:
+            connection = (await self._connected()).connection
+        except HopschedError:
+            return None  # the journal's reading says what is wrong (e.g. 404: no prefix)
+        asker = self._asker
+        try:
+            if asker is None or not asker.usable_on(connection):
+                asker = self._asker = await LookupAsker.open(connection, self.topology.lookups)
+            answers: dict[str, ScheduleInfo | None] = {}
+            for start in range(0, len(ids), MAX_IDS):
+                some = await asker.ask(ids[start : start + MAX_IDS], self.settings.lookup_timeout_s)
+                if some is None:
+                    return None
+                answers.update(some)
+        except (BrokerConnectionLost, ChannelClosedError):
+            return None  # the journal's reading connects anew
+        return answers
 
     async def get_many(self, schedule_ids: Iterable[str]) -> dict[str, ScheduleInfo | None]:
-        """``get()`` of many ids for the cost of one: the journal read once. Checking
-        a batch's 1,000 ids with ``get()`` each reads the journal 1,000 times.
+        """``get()`` of many ids for the cost of one: one request to a relay answering
+        look-ups per ``MAX_IDS`` ids, or the journal read once. Checking a batch's 1,000
+        ids with ``get()`` each without such a relay reads the journal 1,000 times.
 
         Returns:
             Each id given -> its ``ScheduleInfo`` (``pending_copies`` None, as in a
@@ -867,6 +902,9 @@ class Scheduler:
             As ``get()``.
         """
         ids = [check_known_id(schedule_id) for schedule_id in schedule_ids]
+        answered = await self._ask_relays(list(dict.fromkeys(ids)))
+        if answered is not None:
+            return {schedule_id: answered[schedule_id] for schedule_id in ids}
         fold = await read_journal(self.settings, copies=False)
         now, hold_us = self._clock(), self._ladder.hold_window_ms * US_PER_MS
         return {schedule_id: fold.info(schedule_id, now, hold_us) for schedule_id in ids}

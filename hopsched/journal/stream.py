@@ -50,7 +50,15 @@ from hopsched.journal.records import (
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
-__all__ = ["JOURNAL_LANE", "JOURNAL_PROPERTIES", "READ_TIMEOUT_S", "JournalWriter", "read_journal"]
+__all__ = [
+    "JOURNAL_LANE",
+    "JOURNAL_PROPERTIES",
+    "READ_TIMEOUT_S",
+    "JournalWriter",
+    "fold_message",
+    "holds_marker",
+    "read_journal",
+]
 
 log = logging.getLogger("hopsched.journal")
 
@@ -282,16 +290,8 @@ async def read_journal(
             acker.done(delivery.delivery_tag)
             last_read[0] = time.monotonic()
             user = delivery.properties.user_id if delivery.properties is not None else None
-            for record in decode_journal(delivery.body, copies=copies, only=only):
-                if record.op in WRITER_OWNED:  # whose cancel: the writer the broker checked
-                    record.user = user
-                fold.apply(record)
-                if on_record is not None:
-                    on_record(record)
-            if marker.encode() in delivery.body and any(
-                r.op == MARKER and r.schedule_id == marker
-                for r in decode_journal(delivery.body, copies=False, only=marker)
-            ):
+            fold_message(fold, delivery.body, user, copies=copies, only=only, on_record=on_record)
+            if holds_marker(delivery.body, marker):
                 caught_up.set()
 
         try:
@@ -323,6 +323,33 @@ async def read_journal(
         await publisher.close()
         await connection.close()
     return fold
+
+
+def fold_message(
+    fold: JournalFold,
+    body: bytes,
+    user: str | None,
+    *,
+    copies: bool,
+    only: str | None = None,
+    on_record: Callable[[JournalRecord], None] | None = None,
+) -> None:
+    """Apply one journal stream message's records to ``fold``; ``user``: the message's
+    ``user_id`` (the broker checked it), the owner of the cancels it records."""
+    for record in decode_journal(body, copies=copies, only=only):
+        if record.op in WRITER_OWNED:  # whose cancel: the writer the broker checked
+            record.user = user
+        fold.apply(record)
+        if on_record is not None:
+            on_record(record)
+
+
+def holds_marker(body: bytes, marker: str) -> bool:
+    """Whether a journal stream message holds the marker record ``marker``."""
+    return marker.encode() in body and any(
+        r.op == MARKER and r.schedule_id == marker
+        for r in decode_journal(body, copies=False, only=marker)
+    )
 
 
 async def _write_marker(

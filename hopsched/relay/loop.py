@@ -68,6 +68,7 @@ from hopsched.errors import (
     PrefixNotDeclaredError,
 )
 from hopsched.journal.cancels import CancelReader
+from hopsched.journal.lookups import LookupServer
 from hopsched.journal.records import (
     JournalRecord,
     delivered_record,
@@ -216,6 +217,8 @@ class Relay:
         self._reported_at = time.monotonic()
         self._session: _Session | None = None
         self.metrics: MetricsServer | None = None
+        #: Its answering of look-ups while ``run()`` does (``settings.lookups``).
+        self.lookups: LookupServer | None = None
         # random by default: relays started with one URL list spread over the nodes
         self._connector = Connector(settings, name="hopsched-relay", start=first_url)
 
@@ -298,6 +301,7 @@ class Relay:
     async def _run(self) -> None:
         reporter = asyncio.create_task(self._report_periodically())
         watcher = asyncio.create_task(self._watch_policies())
+        lookups = asyncio.create_task(self._answer_lookups())
         connections: AsyncIterator[amqp.Connection] = aiter(self._connector)
         served = 0
         delay = RECONNECT_FIRST_S  # before trying again a session that never consumed
@@ -329,9 +333,9 @@ class Relay:
             # Awaited, within the shutdown's time: a watch cancelled and left running
             # would close its own connection after run() returned, once the event loop
             # closes (uvloop's close waited on it forever in a CI run).
-            reporter.cancel()
-            watcher.cancel()
-            await asyncio.wait({reporter, watcher}, timeout=max(self._time_left(2.0), 0.1))
+            for task in (reporter, watcher, lookups):
+                task.cancel()
+            await asyncio.wait({reporter, watcher, lookups}, timeout=max(self._time_left(2.0), 0.1))
             if served:
                 self._report()
                 log.info("relay stopped")
@@ -359,6 +363,14 @@ class Relay:
         refused login is said once, by ``run()``)."""
         await self._consuming.wait()
         await PolicyWatch(self.settings, self.stats).run()
+
+    async def _answer_lookups(self) -> None:
+        """With ``settings.lookups``, answer look-ups (``hopsched.journal.lookups``) once
+        the relay consumes, on a connection of their own."""
+        if self.settings.lookups:
+            await self._consuming.wait()
+            self.lookups = LookupServer(self.settings, self.clock)
+            await self.lookups.run()
 
     async def _unless_stopping(self, work: Awaitable[Any]) -> Any:
         """``await work``, unless ``stop()`` comes first: then cancel it and return None."""

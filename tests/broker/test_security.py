@@ -131,7 +131,7 @@ async def test_each_role_holding_only_its_printed_grant_does_its_work(
         forbidden = await declare_target(admin, "forbidden", "forbidden.q", "x")
         status, out, err = await hopsched_cli("declare", settings=operator)
         assert status == 0, err
-        await relays.start(relay)
+        relaying = await relays.start(dataclasses.replace(relay, lookups=True))
         async with hopsched.Scheduler(app) as scheduler:
             good = [
                 await scheduler.schedule(
@@ -156,6 +156,19 @@ async def test_each_role_holding_only_its_printed_grant_does_its_work(
             assert "access refused" in copy.headers["x-hopsched-parked-reason"]
         await asyncio.sleep(0.2)
         assert len(forbidden) == 0
+
+        # A relay with its grant answers look-ups, to the operator's grant only: a
+        # producer's may not ask (nor read the journal), and is refused as before.
+        await until(lambda: relaying.lookups is not None and relaying.lookups.ready, within=10)
+        assert relaying.lookups is not None
+        async with hopsched.Scheduler(operator) as looking:
+            info = await looking.get(good[0].schedule_id)
+            assert info is not None
+            assert info.state in ("pending", "held", "delivered")
+            assert relaying.lookups.answered == 1
+        async with hopsched.Scheduler(app) as producer:
+            with pytest.raises(hopsched.AccessRefusedError, match="read permission"):
+                await producer.get(good[0].schedule_id)
 
         # The operator's commands work with its grant; the password never shows.
         for args in (["status"], ["status", "--json"], ["declare"], ["parked", "list"]):

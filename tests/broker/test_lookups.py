@@ -1,0 +1,162 @@
+"""Look-ups answered by relays (``Settings.lookups``, ``hopsched.journal.lookups``) on
+the real broker: the answer is what reading the journal says (``pending_copies`` aside)
+and knows what was confirmed just before it was asked; without a relay answering,
+``get()`` reads the journal; a request that is not one, or a reply address the broker
+refuses (RabbitMQ 3.10 closes the connection), stops no answer and costs no reading.
+Timing is for the benchmark (benchmarks/journal_lookups.py); here the relay's count of
+answers says who answered."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import aio_pika
+import pytest
+from support import Relays, Targets, until
+
+import hopsched
+from hopsched.journal.lookups import LookupServer
+from hopsched.journal.records import CANCELLED, DELIVERED, PENDING, ScheduleInfo
+from hopsched.journal.stream import read_journal
+
+UNKNOWN = uuid.uuid4().hex
+
+
+async def from_the_stream(settings: hopsched.Settings, ids: list[str]) -> dict[str, Any]:
+    """What reading the journal says of ``ids``, as a relay answers it."""
+    fold = await read_journal(settings, copies=False)
+    hold_us = settings.hold_window_ms * 1000
+    now = hopsched.Scheduler(settings)._clock()
+    return {i: fold.info(i, now, hold_us) for i in ids}
+
+
+async def state_of(scheduler: hopsched.Scheduler, schedule_id: str) -> str | None:
+    info = await scheduler.get(schedule_id)
+    return None if info is None else info.state
+
+
+def same(info: ScheduleInfo | None) -> Any:
+    """``info`` without what only one look-up of one id by reading counts."""
+    return None if info is None else dataclasses.replace(info, pending_copies=None)
+
+
+async def test_a_relay_answers_what_reading_the_journal_says_of_what_was_just_done(
+    relays: Relays, make_settings: Callable[..., hopsched.Settings], targets: Targets
+) -> None:
+    settings = make_settings(lookups=True)
+    relay = await relays.start(settings)
+    target = await targets.queue()
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
+        await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
+        assert isinstance(relay.lookups, LookupServer)
+        pending = await scheduler.schedule(b"p", delay=3600, routing_key=target.name)
+        cancelled = await scheduler.schedule(b"c", delay=3600, routing_key=target.name)
+        soon = await scheduler.schedule(b"d", delay=0.2, routing_key=target.name)
+        ids = [pending.schedule_id, cancelled.schedule_id, soon.schedule_id, UNKNOWN]
+
+        # Asked at once after schedule(): the relay's answer waits for its marker.
+        answered = relay.lookups.answered
+        assert await state_of(scheduler, pending.schedule_id) == PENDING
+        assert relay.lookups.answered == answered + 1
+        await scheduler.cancel(cancelled)
+        assert await state_of(scheduler, cancelled.schedule_id) == CANCELLED
+        await target.wait_for(1, within=30)
+        await until(lambda: relay.stats.journal_records >= 1, within=10)
+        assert await state_of(scheduler, soon.schedule_id) == DELIVERED
+        assert await scheduler.get(UNKNOWN) is None
+
+        many = await scheduler.get_many([*ids, pending.schedule_id])
+        assert relay.lookups.answered == answered + 5
+        stream = await from_the_stream(settings, ids)
+        assert {i: same(many[i]) for i in ids} == {i: same(stream[i]) for i in ids}
+        assert all(many[i] is None or many[i].pending_copies is None for i in ids)  # type: ignore[union-attr]
+
+        # An id scheduled twice: count_copies reads the journal, which counts them.
+        await scheduler.schedule(
+            b"again", delay=3600, routing_key=target.name, schedule_id=pending.schedule_id
+        )
+        asked = relay.lookups.answered
+        counted = await scheduler.get(pending.schedule_id, count_copies=True)
+        assert counted is not None
+        assert counted.pending_copies == 2
+        assert relay.lookups.answered == asked
+
+
+async def test_without_a_relay_answering_get_reads_the_journal(
+    relays: Relays,
+    make_settings: Callable[..., hopsched.Settings],
+    targets: Targets,
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    settings = make_settings(lookups=True)
+    answering = await relays.start(settings)
+    target = await targets.queue()
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
+        scheduled = await scheduler.schedule(b"p", delay=3600, routing_key=target.name)
+        await until(lambda: answering.lookups is not None and answering.lookups.ready, within=10)
+        got = await scheduler.get(scheduled.schedule_id)
+        assert answering.lookups is not None
+        assert answering.lookups.answered == 1
+
+        # The last relay answering gone, its exchange and queue go with it (auto-delete);
+        # a relay without look-ups then serves the prefix, and get() reads the journal.
+        await relays.stop(answering)
+        quiet = await relays.start(dataclasses.replace(settings, lookups=False))
+        for _ in range(2):
+            channel = await amqp.channel()
+            with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
+                await channel.declare_exchange(f"{settings.prefix}.lookups", passive=True)
+        again = await scheduler.get(scheduled.schedule_id)
+        assert same(again) == same(got)
+        assert quiet.lookups is None
+        # pending_copies: counted by reading (one id), not by a relay's answer.
+        assert got is not None
+        assert got.pending_copies is None
+        assert again is not None
+        assert again.pending_copies == 1
+
+
+async def test_a_request_that_is_not_one_and_a_refused_reply_address_stop_no_answer(
+    relays: Relays,
+    make_settings: Callable[..., hopsched.Settings],
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    settings = make_settings(lookups=True)
+    relay = await relays.start(settings)
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
+        scheduled = await scheduler.schedule(b"p", delay=3600, routing_key="nowhere")
+        await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
+        assert await scheduler.get(scheduled.schedule_id) is not None
+        assert relay.lookups is not None
+        channel = await amqp.channel()
+        replies: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        underlay = await channel.get_underlay_channel()
+        await underlay.basic_consume(
+            "amq.rabbitmq.reply-to",
+            lambda m: replies.put_nowait(m),  # type: ignore[arg-type,return-value]
+            no_ack=True,
+        )
+        exchange = await channel.get_exchange(f"{settings.prefix}.lookups", ensure=False)
+        for body, reply_to in (
+            (b"not json", "amq.rabbitmq.reply-to"),
+            (b'{"ids": [1]}', "amq.rabbitmq.reply-to"),
+            (b'{"ids": ["x"]}', "amq.rabbitmq.reply-to.bm90IGEgY2hhbm5lbA=="),
+            # RabbitMQ 3.10 closes the connection of a publish to this one (541).
+            (b'{"ids": ["x"]}', "amq.rabbitmq.reply-to.g2gDZAAPcmFiYml0QGxvY2FsaG9zdGEBYQE=.x"),
+            (b'{"ids": ["x"]}', ""),
+        ):
+            await exchange.publish(aio_pika.Message(body, reply_to=reply_to), routing_key="")
+        for _ in range(2):  # the two that were not requests, answered as such
+            async with asyncio.timeout(10):
+                reply = await replies.get()
+            assert b"not a request" in reply.body
+        await asyncio.sleep(0.5)  # the refused addresses' requests answered meanwhile
+        answered = relay.lookups.answered
+        for _ in range(3):
+            assert await state_of(scheduler, scheduled.schedule_id) == PENDING
+        assert relay.lookups.answered == answered + 3
+        assert relay.lookups.readings == 1  # the journal was not read again
