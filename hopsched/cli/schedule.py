@@ -471,19 +471,33 @@ _ORIGINS = {
 }
 
 
+#: Characters that a target's plain spelling cannot hold and read back one way only.
+_UNPLAIN = set("/ '\"")
+
+
+def target_text(exchange: str, routing_key: str) -> str:
+    """A target as ``--allow-target`` spells it: ``orders/timeout.eu``, ``/reminders``
+    for the default exchange; quoted (``'a b'/'c/d'``) when a name holds a ``/``, a
+    space, a quote or nothing to see, so that it reads back one way only."""
+    plain = all(name.isprintable() and not _UNPLAIN & set(name) for name in (exchange, routing_key))
+    if plain and routing_key:
+        return f"{exchange}/{routing_key}"
+    return f"{exchange!r}/{routing_key!r}"
+
+
 def _info_lines(info: ScheduleInfo) -> list[str]:
     lines = [
         f"{info.schedule_id}: {info.state}",
-        f"  due      {info.due.isoformat()}",
-        f"  target   exchange {info.exchange!r} routing key {info.routing_key!r}",
+        f"  due       {info.due.isoformat()}",
+        f"  target    exchange {info.exchange!r} routing key {info.routing_key!r}",
     ]
     if info.size is not None:
-        lines.append(f"  size     {info.size} bytes")
+        lines.append(f"  size      {info.size} bytes")
     # Whose records change it; named as in --json (``user``, ``owner``).
     if info.user is not None:
-        lines.append(f"  user     RabbitMQ user {info.user!r}")
+        lines.append(f"  user      RabbitMQ user {info.user!r}")
     if info.owner is not None:
-        lines.append(f"  owner    signing key {info.owner!r}")
+        lines.append(f"  owner     signing key {info.owner!r}")
     if info.occurrence:
         lines.append(f"  recurring, occurrence {info.occurrence} (docs/recurring.md)")
     if info.pending_copies and info.pending_copies > 1:
@@ -493,16 +507,16 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
         )
     if info.origin is not None and info.origin != "recurring":
         how = _ORIGINS.get(info.origin, info.origin)
-        lines.append(f"  created  {us_to_datetime(info.created_us).isoformat()} ({how})")
+        lines.append(f"  created   {us_to_datetime(info.created_us).isoformat()} ({how})")
     for label, when in (
         ("delivered", info.delivered_us),
         ("parked", info.parked_us),
         ("cancelled", info.cancelled_us),
     ):
         if when is not None:
-            lines.append(f"  {label:<8} {us_to_datetime(when).isoformat()}")
+            lines.append(f"  {label:<9} {us_to_datetime(when).isoformat()}")
     if info.parked_reason is not None:
-        lines.append(f"  reason   {info.parked_reason}")
+        lines.append(f"  reason    {info.parked_reason}")
     return lines
 
 
@@ -510,23 +524,35 @@ def _info_lines(info: ScheduleInfo) -> list[str]:
 @connection_options
 @click.argument("schedule_ids", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one line each).")
+@click.option(
+    "--count-copies",
+    is_flag=True,
+    help="Read the journal, even where a relay answers look-ups, and count the id's "
+    "pending messages (one id: an id scheduled twice without --replace has two).",
+)
 def get(
     url: str | None,
     prefix: str | None,
     queue_type: str | None,
     schedule_ids: tuple[str, ...],
     as_json: bool,
+    count_copies: bool,
 ) -> None:
     """What the journal says of schedules, by id: state (pending, held, delivered,
     cancelled, parked), due time, target, size, when it was delivered, cancelled or
-    parked. Several ids cost one read of the journal (and their pending_copies are not
-    counted: null). Exit 3 if it knows any of them not, naming those."""
+    parked. A relay started with --lookups answers in milliseconds; without one, it
+    reads the journal, once for several ids. pending_copies is counted for one id read
+    from the journal (--count-copies), else null. Exit 3 if it knows any of them not,
+    naming those."""
+    if count_copies and len(schedule_ids) > 1:
+        raise click.UsageError("--count-copies counts one id's copies: give one id")
     settings = settings_from_env(url=url, prefix=prefix, queue_type=queue_type)
 
     async def go() -> dict[str, ScheduleInfo | None]:
         async with Scheduler(settings) as scheduler:
-            if len(schedule_ids) == 1:  # get() counts the id's pending copies too
-                return {schedule_ids[0]: await scheduler.get(schedule_ids[0])}
+            if len(schedule_ids) == 1:  # read from the journal, it counts the copies too
+                info = await scheduler.get(schedule_ids[0], count_copies=count_copies)
+                return {schedule_ids[0]: info}
             return await scheduler.get_many(schedule_ids)
 
     infos = run(go())
@@ -578,7 +604,7 @@ def pending(
                     json.dumps(info.to_json())
                     if as_json
                     else f"{info.due.isoformat()}  {info.schedule_id}  {info.state}  "
-                    f"{info.exchange!r}/{info.routing_key!r}"
+                    f"{target_text(info.exchange, info.routing_key)}"
                 )
                 if len(lines) == LINES_PER_WRITE:
                     click.echo("\n".join(lines))

@@ -16,7 +16,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from support import Relays, Targets, until
+from support import Relays, Targets, hopsched_cli, until
 
 import hopsched
 from hopsched.journal.lookups import LookupServer
@@ -160,3 +160,33 @@ async def test_a_request_that_is_not_one_and_a_refused_reply_address_stop_no_ans
             assert await state_of(scheduler, scheduled.schedule_id) == PENDING
         assert relay.lookups.answered == answered + 3
         assert relay.lookups.readings == 1  # the journal was not read again
+
+
+async def test_the_cli_warns_of_an_id_scheduled_twice_and_counts_its_copies_on_asking(
+    relays: Relays, make_settings: Callable[..., hopsched.Settings]
+) -> None:
+    settings = make_settings(lookups=True)
+    relay = await relays.start(settings)
+    await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
+    schedule_id = f"order-{uuid.uuid4().hex}"
+    for _ in range(2):
+        status, out, err = await hopsched_cli(
+            *("schedule", "--in", "1h", "--routing-key", "q", "--schedule-id", schedule_id),
+            settings=settings,
+        )
+        assert status == 0, err
+    assert f"{schedule_id} now has 2 messages pending" in err  # read, relay or not
+
+    status, out, err = await hopsched_cli("get", schedule_id, settings=settings)
+    assert status == 0, err
+    assert "2 messages of this id are pending" not in out  # the relay counts no copies
+    assert relay.lookups is not None
+    assert relay.lookups.answered >= 1
+    status, out, err = await hopsched_cli("get", schedule_id, "--count-copies", settings=settings)
+    assert status == 0, err
+    assert "2 messages of this id are pending" in out
+    status, out, err = await hopsched_cli(
+        "get", schedule_id, UNKNOWN, "--count-copies", settings=settings
+    )
+    assert status == 2
+    assert "--count-copies counts one id's copies: give one id" in err
