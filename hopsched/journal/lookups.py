@@ -236,9 +236,9 @@ class _Session:
         self.marker: str | None = None  # on its way: answers ``behind`` once read back
         self.behind: list[_Request] = []
         self.waiting: list[_Request] = []  # came while ``marker`` was on its way
-        #: Replies go on a connection of their own: RabbitMQ 3.10 closes the connection
-        #: (541 INTERNAL_ERROR) of a publish to a crafted reply-to address, which must
-        #: not cost the fold. Opened anew when it goes.
+        #: Replies go on a connection of their own: RabbitMQ (3.10.8, 4.0.5) closes the
+        #: connection (541 INTERNAL_ERROR) of a publish to a crafted reply-to address,
+        #: which must not cost the fold. Opened anew when it goes.
         self.replies: amqp.Channel | None = None
         self.reopening: asyncio.Future[None] | None = None
         self.unsent: list[tuple[str, bytes, bytes]] = []  # reply-to, body, properties
