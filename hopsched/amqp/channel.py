@@ -171,7 +171,16 @@ class Channel:
         )
         self._error: ChannelClosedError | BrokerConnectionLost | None = None
         self._rpc_lock = asyncio.Lock()
-        self._rpc_waiter: asyncio.Future[Frame] | None = None
+        #: The answers awaited: the names a method's answer may have, its consumer tag
+        #: (consume, cancel) and the future, oldest first. A caller that gave up
+        #: (cancelled) leaves its future, cancelled, so that its answer, when it comes,
+        #: goes to no one rather than to the next call; and the answer goes to the oldest
+        #: entry it fits, not the oldest: RabbitMQ 3.10 sends a consume-ok after the
+        #: answer to a method sent after the consume (seen with a consume given up).
+        self._rpc_waiters: list[tuple[tuple[str, ...], str | None, asyncio.Future[Frame]]] = []
+        #: Consumers whose consume was given up (cancelled) and then cancelled in turn:
+        #: their no_ack flag, for what the broker sent them meanwhile.
+        self._abandoned: dict[str, bool] = {}
         self._confirming = False
         self._next_seq = 1
         self._unconfirmed: dict[int, _Pending] = {}
@@ -205,14 +214,19 @@ class Channel:
             if self._error is not None:
                 raise self._error.with_traceback(None)  # one instance, raised again and again
             waiter: asyncio.Future[Frame] = self._loop.create_future()
-            self._rpc_waiter = waiter
+            self._rpc_waiters.append(_awaiting(method, waiter))
             if isinstance(method, commands.Channel.Close):
                 self._close_sent = True
             self.connection.send(encoded or method_frame(self.number, method))
-            try:
-                return await waiter
-            finally:
-                self._rpc_waiter = None
+            return await waiter  # cancelled: its answer is dropped when it comes
+
+    def _send_unawaited(self, method: Frame) -> None:
+        """Send a synchronous method whose answer no one awaits (it is dropped)."""
+        if self._error is None:
+            orphan: asyncio.Future[Frame] = self._loop.create_future()
+            orphan.cancel()
+            self._rpc_waiters.append(_awaiting(method, orphan))
+            self.connection.send(method_frame(self.number, method))
 
     async def confirm_select(self) -> None:
         """Turn on publisher confirms (https://www.rabbitmq.com/docs/confirms)."""
@@ -255,6 +269,13 @@ class Channel:
         self._consumers[tag] = (on_delivery, on_cancel)
         try:
             await self.call(method, encoded)
+        except asyncio.CancelledError:
+            # Given up mid-way: the broker starts it all the same. It is cancelled once
+            # its consume-ok comes (``_method``: a cancel before then crashes RabbitMQ
+            # 3.10.8's channel, 541), and what it is sent meanwhile handed back.
+            self._consumers.pop(tag, None)
+            self._abandoned[tag] = no_ack
+            raise
         except BaseException:
             self._consumers.pop(tag, None)
             raise
@@ -262,8 +283,10 @@ class Channel:
 
     async def cancel(self, consumer_tag: str) -> None:
         """Stop a consumer; deliveries already sent still reach its callback."""
-        await self.call(commands.Basic.Cancel(consumer_tag=consumer_tag))
-        self._consumers.pop(consumer_tag, None)
+        try:
+            await self.call(commands.Basic.Cancel(consumer_tag=consumer_tag))
+        finally:
+            self._consumers.pop(consumer_tag, None)
 
     # --- publishing and acks ---------------------------------------------------------------
 
@@ -336,8 +359,10 @@ class Channel:
         if self._error is not None:
             return
         self._error = error
-        if self._rpc_waiter is not None and not self._rpc_waiter.done():
-            self._rpc_waiter.set_exception(error)
+        waiters, self._rpc_waiters = self._rpc_waiters, []
+        for _, _, waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
         pending = [self._unconfirmed[seq] for seq in self._order if seq in self._unconfirmed]
         self._unconfirmed.clear()
         self._order.clear()
@@ -403,13 +428,29 @@ class Channel:
             self._flow(bool(method.active))
         else:
             response = decode_method(payload)
-            if self._rpc_waiter is not None and not self._rpc_waiter.done():
-                self._rpc_waiter.set_result(response)
+            waiter = self._take_waiter(response)
+            if waiter is not None:
+                if not waiter.done():  # else its caller gave up: the answer goes to no one
+                    waiter.set_result(response)
+                elif (
+                    isinstance(response, commands.Basic.ConsumeOk)
+                    and (response.consumer_tag or "") in self._abandoned
+                ):
+                    self._send_unawaited(commands.Basic.Cancel(consumer_tag=response.consumer_tag))
             elif ident == _CLOSE_OK:
                 if self._close_sent:  # the broker's answer to our crossing close (above)
                     self.connection.channel_released(self.number)
             else:
                 log.warning("channel %d: unexpected %s", self.number, response.name)
+
+    def _take_waiter(self, response: Frame) -> asyncio.Future[Frame] | None:
+        """The oldest waiter ``response`` answers, taken off the list; None if none."""
+        tag = _consumer_tag(response)
+        for index, (names, wanted, waiter) in enumerate(self._rpc_waiters):
+            if response.name in names and (tag is None or wanted is None or tag == wanted):
+                del self._rpc_waiters[index]
+                return waiter
+        return None
 
     def _content_header(self, payload: bytes) -> None:
         incoming = self._incoming
@@ -443,6 +484,10 @@ class Channel:
             self._match_return(delivery, incoming.returned)
             return
         consumer = self._consumers.get(incoming.consumer_tag)
+        if consumer is None and incoming.consumer_tag in self._abandoned:
+            if not self._abandoned[incoming.consumer_tag]:  # back to the queue, for others
+                self.nack(delivery.delivery_tag, requeue=True)
+            return
         if consumer is None:
             log.warning(
                 "channel %d: delivery for unknown consumer %r", self.number, incoming.consumer_tag
@@ -542,3 +587,23 @@ class Channel:
             self.number,
             returned,
         )
+
+
+def _consumer_tag(method: Frame) -> str | None:
+    """The consumer tag of a consume, a cancel or their answers; None for others."""
+    if isinstance(
+        method,
+        commands.Basic.Consume
+        | commands.Basic.ConsumeOk
+        | commands.Basic.Cancel
+        | commands.Basic.CancelOk,
+    ):
+        return method.consumer_tag or ""
+    return None
+
+
+def _awaiting(
+    method: Frame, waiter: asyncio.Future[Frame]
+) -> tuple[tuple[str, ...], str | None, asyncio.Future[Frame]]:
+    """A waiter list entry for ``method``: the names of its answers (pamqp's), its tag."""
+    return (tuple(getattr(method, "valid_responses", ())), _consumer_tag(method), waiter)

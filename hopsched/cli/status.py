@@ -9,7 +9,7 @@ from typing import Any, cast
 import click
 
 from hopsched.broker.nodes import RelayNodes, management_urls, relay_nodes
-from hopsched.broker.objects import inspect
+from hopsched.broker.objects import inspect, passive_depth
 from hopsched.cli.common import (
     Failure,
     NoPrefix,
@@ -58,8 +58,9 @@ def status(
     per_node: bool,
     management_url: str | None,
 ) -> None:
-    """Depth of every step queue, the relay and parked queues; relay consumers, and with
-    several URLs (or --nodes) which node each relay is on; the cancel stream's records by
+    """Depth of every step queue, the relay and parked queues; relay consumers and those
+    answering look-ups, and with several URLs (or --nodes) which node each relay is on;
+    the cancel stream's records by
     signature (checked with HOPSCHED_SIGNING_KEYS) and the messages relays parked for
     their signature or target; the schedules pending and the next due time, from the
     journal. Declares nothing (it writes one marker record to each stream to read it to
@@ -74,6 +75,7 @@ def status(
         str | None,
         RecordTally | str,
         tuple[int, int | None] | str,
+        int,
     ]:
         connection = await connect(settings)
         async with connection:
@@ -84,35 +86,40 @@ def status(
                 mismatch: str | None = str(error)
             else:
                 mismatch = None
+            lookups = await passive_depth(connection, topology.lookups)
+        answering = 0 if lookups is None else lookups.consumers
         records = await _records(settings, depths.get(topology.cancel_stream) is not None)
         journal = await _journal(settings, depths.get(topology.journal_stream) is not None)
         if not per_node:
-            return depths, None, mismatch, records, journal
+            return depths, None, mismatch, records, journal, answering
         urls = management_urls(settings, management_url)
         nodes = await relay_nodes(settings, topology.relay_queue, urls)
-        return depths, nodes, mismatch, records, journal
+        return depths, nodes, mismatch, records, journal, answering
 
-    depths, nodes, mismatch, records, journal = cast(
+    depths, nodes, mismatch, records, journal, answering = cast(
         tuple[
             dict[str, QueueDepth | None],
             RelayNodes | None,
             str | None,
             RecordTally | str,
             tuple[int, int | None] | str,
+            int,
         ],
         run(go()),
     )
     if all(depth is None for depth in depths.values()):  # a mistyped --prefix, say
         # The queues, every one missing, and the error; no policy lines: about queues
         # that do not exist, they read as reassurance (a new-user trial).
-        _show_status(settings, topology, depths, nodes, as_json, records, None, journal)
+        _show_status(settings, topology, depths, nodes, as_json, records, None, journal, answering)
         raise NoPrefix(
             f"nothing of prefix {settings.prefix!r} exists on this broker (vhost): check "
             "--prefix and --url, or declare it with `hopsched declare` (a relay declares "
             "it when it starts)"
         )
     checked = check_policies_or_fail(settings, management_url)
-    _show_status(settings, topology, depths, nodes, as_json, records, checked.as_json(), journal)
+    _show_status(
+        settings, topology, depths, nodes, as_json, records, checked.as_json(), journal, answering
+    )
     if not as_json:
         echo_policies(checked)
     problems = _status_problems(settings, topology, depths)
@@ -253,6 +260,7 @@ def _show_status(
     records: RecordTally | str,
     policies: dict[str, Any] | None,
     journal: tuple[int, int | None] | str,
+    answering: int = 0,
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
     relay_consumers = relay_depth.consumers if relay_depth is not None else 0
@@ -265,6 +273,7 @@ def _show_status(
                 for name, depth in depths.items()
             },
             "relay_consumers": relay_consumers,
+            "relays_answering_lookups": answering,
             "records": records if isinstance(records, str) else dataclasses.asdict(records),
             "pending": journal
             if isinstance(journal, str)
@@ -293,6 +302,10 @@ def _show_status(
             text += " in the stream (batches of records; none to deliver)"
         click.echo(f"  {name:<40} {text}")
     click.echo(f"relay consumers: {relay_consumers}")
+    click.echo(
+        f"relays answering look-ups: {answering}"
+        + ("" if answering else " (get() reads the journal; `hopsched relay --lookups`)")
+    )
     click.echo(_journal_line(journal))
     for line in _records_lines(records):
         click.echo(line)

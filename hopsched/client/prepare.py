@@ -573,7 +573,7 @@ def check_schedule_id(schedule_id: str | None) -> str:
         return os.urandom(16).hex()  # as unique as a uuid4's hex, a fifth of the cost
     if not isinstance(schedule_id, str) or not schedule_id:
         raise InvalidScheduleError(
-            f"schedule_id={shorten(schedule_id)} (CLI: --schedule-id): must be a non-empty str"
+            f"schedule_id={shorten(schedule_id)}: a schedule id must be a non-empty str"
         )
     # (printable first: a lone surrogate is not, and cannot be encoded)
     if not schedule_id.isprintable() or len(schedule_id.encode()) > MAX_SCHEDULE_ID_BYTES:

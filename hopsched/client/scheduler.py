@@ -174,7 +174,7 @@ class Scheduler:
         self._login = self.settings.login  # parsed from the URL once, not per call
         self._owner = self.settings.owner
         self._journal_writer: JournalWriter | None = None
-        self._asker: LookupAsker | None = None  # on the ladder connection, once asked
+        self._asker: LookupAsker | None = None  # on the journal's connection, once asked
         self._journal_connecting = asyncio.Lock()
         self._connecting: asyncio.Future[Publisher] | None = None
         self._declared = False
@@ -868,10 +868,10 @@ class Scheduler:
 
     async def _ask_relays(self, ids: Sequence[str]) -> dict[str, ScheduleInfo | None] | None:
         """The relays' answer for ``ids`` (``LookupAsker.ask``, ``MAX_IDS`` a request),
-        None if any request of it had none, or the ladder's connection cannot be made:
-        then the journal is read."""
-        try:
-            connection = (await self._connected()).connection
+        None if any request of it had none, or no connection can be made: then the
+        journal is read."""
+        try:  # on the journal's connection: the ladder's declares its queues first
+            connection = (await self._journal_connected()).publisher.connection
         except HopschedError:
             return None  # the journal's reading says what is wrong (e.g. 404: no prefix)
         asker = self._asker

@@ -280,9 +280,12 @@ class _Session:
             log.info("look-ups: reading %s anew (every %.0f s)", self.stream, REREAD_AFTER_S)
             return
         finally:
+            self._answer_all(None, "the relay's look-ups are stopping or reconnecting")
+            # Closed before the reader is cancelled: an answer to a consume or a cancel
+            # it awaits would come to no one (a warning per frame); closed, it ends them.
+            await self.connection.close(timeout_s=1.0)
             reader.cancel()
             await asyncio.wait({reader})
-            self._answer_all(None, "the relay's look-ups are reconnecting")
         raise error
 
     async def _read_when_asked(self) -> None:

@@ -302,7 +302,8 @@ async def read_journal(
             if error.reply_code == 403:
                 raise AccessRefusedError(
                     f"the broker refused ({error}): reading the journal needs read "
-                    f"permission on {stream} (the operator's grant)"
+                    f"permission on {stream}, and asking a relay that answers look-ups "
+                    f"write on {settings.prefix}.lookups (both in the operator's grant)"
                 ) from None
             raise
         while not caught_up.is_set():

@@ -6,6 +6,7 @@ client."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -317,3 +318,38 @@ async def test_a_lazy_ack_is_sent_on_its_own_and_many_lazy_acks_all_take_effect(
         assert reply.message_count == 0, "an ack sent lazily never reached the broker"
     finally:
         await check.close()
+
+
+async def test_a_call_given_up_leaves_the_next_call_its_own_answer(
+    connection: amqp.Connection, cleanup: Cleanup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller cancelled while it awaits a synchronous method's answer (a ``get()`` given
+    up): the answer, when it comes, goes to no one, not to the channel's next call; a
+    consume given up is cancelled on the broker, and what it was sent meanwhile goes
+    back to the queue (found by the look-ups' tests: a late consume-ok answered the next
+    call, with a warning)."""
+    channel = await confirming(connection)
+    first, second = await declare(channel, cleanup), await declare(channel, cleanup)
+    for index in range(5):
+        channel.publish("", first, b"m%d" % index, encoded())
+    for _ in range(20):  # each given up before its answer can come (no read in between)
+        call = asyncio.ensure_future(
+            channel.call(commands.Queue.Declare(queue=first, passive=True))
+        )
+        await asyncio.sleep(0)
+        call.cancel()
+        consume = asyncio.ensure_future(channel.consume(first, lambda _: None, lambda _: None))
+        await asyncio.sleep(0)
+        consume.cancel()
+        declared = await channel.call(commands.Queue.Declare(queue=second, passive=True))
+        assert isinstance(declared, commands.Queue.DeclareOk)
+        assert declared.queue == second
+    await asyncio.sleep(0.2)  # the consumers' cancel-oks, and any delivery, come in
+    declared = await channel.call(commands.Queue.Declare(queue=first, passive=True))
+    assert isinstance(declared, commands.Queue.DeclareOk)
+    assert declared.consumer_count == 0
+    deliveries = Deliveries()
+    await channel.consume(first, deliveries.on_delivery, deliveries.on_cancel, no_ack=True)
+    received = await deliveries.wait_for(5)
+    assert sorted(d.body for d in received) == [b"m%d" % index for index in range(5)]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

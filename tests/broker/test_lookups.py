@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -190,3 +191,37 @@ async def test_the_cli_warns_of_an_id_scheduled_twice_and_counts_its_copies_on_a
     )
     assert status == 2
     assert "--count-copies counts one id's copies: give one id" in err
+    status, out, err = await hopsched_cli("status", settings=settings)
+    assert "relays answering look-ups: 1\n" in out, (status, out, err)
+
+
+async def test_a_relay_stopping_while_asked_leaves_no_asker_wrong_and_warns_of_nothing(
+    relays: Relays,
+    make_settings: Callable[..., hopsched.Settings],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = make_settings(lookups=True)
+    relay = await relays.start(settings)
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
+        scheduled = await scheduler.schedule(b"p", delay=3600, routing_key="nowhere")
+        await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
+        states: list[str | None] = []
+
+        async def ask() -> None:
+            while True:
+                states.append(await state_of(scheduler, scheduled.schedule_id))
+
+        asking = asyncio.ensure_future(ask())
+        await until(lambda: len(states) >= 20, within=30)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hopsched"):
+            await relays.stop(relay)
+            asked = len(states)
+            await until(lambda: len(states) >= asked + 3, within=30)  # read: no relay
+        asking.cancel()
+        await asyncio.wait({asking})
+    assert set(states) == {PENDING}
+    assert relay.lookups is not None
+    assert relay.lookups.answered >= 20
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == []
