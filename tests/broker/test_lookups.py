@@ -40,6 +40,13 @@ async def state_of(scheduler: hopsched.Scheduler, schedule_id: str) -> str | Non
     return None if info is None else info.state
 
 
+async def answering(relays: Relays, settings: hopsched.Settings) -> hopsched.Relay:
+    """A relay started with ``settings`` (look-ups on), once it answers them."""
+    relay = await relays.start(settings)
+    await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
+    return relay
+
+
 def same(info: ScheduleInfo | None) -> Any:
     """``info`` without what only one look-up of one id by reading counts."""
     return None if info is None else dataclasses.replace(info, pending_copies=None)
@@ -49,10 +56,9 @@ async def test_a_relay_answers_what_reading_the_journal_says_of_what_was_just_do
     relays: Relays, make_settings: Callable[..., hopsched.Settings], targets: Targets
 ) -> None:
     settings = make_settings(lookups=True)
-    relay = await relays.start(settings)
+    relay = await answering(relays, settings)
     target = await targets.queue()
     async with hopsched.Scheduler(settings, declare=True) as scheduler:
-        await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
         assert isinstance(relay.lookups, LookupServer)
         pending = await scheduler.schedule(b"p", delay=3600, routing_key=target.name)
         cancelled = await scheduler.schedule(b"c", delay=3600, routing_key=target.name)
@@ -94,18 +100,17 @@ async def test_without_a_relay_answering_get_reads_the_journal(
     amqp: aio_pika.abc.AbstractConnection,
 ) -> None:
     settings = make_settings(lookups=True)
-    answering = await relays.start(settings)
+    first = await answering(relays, settings)
     target = await targets.queue()
     async with hopsched.Scheduler(settings, declare=True) as scheduler:
         scheduled = await scheduler.schedule(b"p", delay=3600, routing_key=target.name)
-        await until(lambda: answering.lookups is not None and answering.lookups.ready, within=10)
         got = await scheduler.get(scheduled.schedule_id)
-        assert answering.lookups is not None
-        assert answering.lookups.answered == 1
+        assert first.lookups is not None
+        assert first.lookups.answered == 1
 
         # The last relay answering gone, its exchange and queue go with it (auto-delete);
         # a relay without look-ups then serves the prefix, and get() reads the journal.
-        await relays.stop(answering)
+        await relays.stop(first)
         quiet = await relays.start(dataclasses.replace(settings, lookups=False))
         for _ in range(2):
             channel = await amqp.channel()
@@ -127,10 +132,9 @@ async def test_a_request_that_is_not_one_and_a_refused_reply_address_stop_no_ans
     amqp: aio_pika.abc.AbstractConnection,
 ) -> None:
     settings = make_settings(lookups=True)
-    relay = await relays.start(settings)
+    relay = await answering(relays, settings)
     async with hopsched.Scheduler(settings, declare=True) as scheduler:
         scheduled = await scheduler.schedule(b"p", delay=3600, routing_key="nowhere")
-        await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
         assert await scheduler.get(scheduled.schedule_id) is not None
         assert relay.lookups is not None
         channel = await amqp.channel()
@@ -167,8 +171,7 @@ async def test_the_cli_warns_of_an_id_scheduled_twice_and_counts_its_copies_on_a
     relays: Relays, make_settings: Callable[..., hopsched.Settings]
 ) -> None:
     settings = make_settings(lookups=True)
-    relay = await relays.start(settings)
-    await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
+    relay = await answering(relays, settings)
     schedule_id = f"order-{uuid.uuid4().hex}"
     for _ in range(2):
         status, out, err = await hopsched_cli(
@@ -201,10 +204,9 @@ async def test_a_relay_stopping_while_asked_leaves_no_asker_wrong_and_warns_of_n
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings = make_settings(lookups=True)
-    relay = await relays.start(settings)
+    relay = await answering(relays, settings)
     async with hopsched.Scheduler(settings, declare=True) as scheduler:
         scheduled = await scheduler.schedule(b"p", delay=3600, routing_key="nowhere")
-        await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
         states: list[str | None] = []
 
         async def ask() -> None:
