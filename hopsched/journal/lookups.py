@@ -103,7 +103,8 @@ def decode_request(body: bytes) -> list[str]:
     Raises:
         ValueError: not a request (not JSON, no list of strings, more than ``MAX_IDS``).
     """
-    ids = json.loads(body)["ids"]
+    request = json.loads(body)
+    ids = request.get("ids") if isinstance(request, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise ValueError("'ids' must be a list of strings")
     if len(ids) > MAX_IDS:
@@ -127,17 +128,25 @@ def decode_answer(body: bytes, ids: Sequence[str]) -> dict[str, ScheduleInfo | N
         ValueError: not an answer to that request.
     """
     answer = json.loads(body)
+    if not isinstance(answer, dict):
+        raise ValueError("not an answer: no JSON object")
     if "unavailable" in answer:
         return str(answer["unavailable"])
-    rows = answer["infos"]
+    rows = answer.get("infos")
     if not isinstance(rows, list) or len(rows) != len(ids):
-        raise ValueError(f"an answer of {len(rows)} rows to a request of {len(ids)} ids")
+        count = len(rows) if isinstance(rows, list) else "no"
+        raise ValueError(f"an answer of {count} rows to a request of {len(ids)} ids")
     infos: dict[str, ScheduleInfo | None] = {}
     for schedule_id, row in zip(ids, rows, strict=True):
         if row is None:
             infos[schedule_id] = None
             continue
-        info = ScheduleInfo(**{name: row[name] for name in _FIELDS if name in row})
+        if not isinstance(row, dict):
+            raise ValueError(f"an answer's row for {schedule_id!r} is no JSON object")
+        try:
+            info = ScheduleInfo(**{name: row[name] for name in _FIELDS if name in row})
+        except TypeError as error:  # a field missing
+            raise ValueError(f"an answer's row for {schedule_id!r}: {error}") from None
         if info.schedule_id != schedule_id:
             raise ValueError(f"an answer for {info.schedule_id!r} where {schedule_id!r} was asked")
         infos[schedule_id] = info
@@ -392,7 +401,7 @@ class _Session:
         correlation_id = properties.correlation_id if properties is not None else None
         try:
             ids = decode_request(delivery.body)
-        except (ValueError, KeyError, TypeError) as error:
+        except ValueError as error:
             self._reply(_Request([], reply_to, correlation_id), None, f"not a request: {error}")
             return
         request = _Request(ids, reply_to, correlation_id)
@@ -566,7 +575,7 @@ class LookupAsker:
             self._waiting.pop(key, None)
         try:
             answer = decode_answer(body, ids)
-        except (ValueError, KeyError, TypeError) as error:
+        except ValueError as error:
             log.warning("a relay's look-up answer does not read (%s): reading the journal", error)
             return None
         return None if isinstance(answer, str) else answer

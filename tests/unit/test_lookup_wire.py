@@ -85,11 +85,24 @@ def test_a_request_that_is_not_one_is_refused(body: bytes, match: str) -> None:
         decode_request(body)
 
 
-def test_a_request_that_is_not_json_or_has_no_ids_is_refused() -> None:
-    with pytest.raises(ValueError, match="decode"):
-        decode_request(b"\xff not json")
-    with pytest.raises(KeyError):
-        decode_request(b"{}")
+@pytest.mark.parametrize("body", [b"\xff not json", b"{}", b"[1]", b"null", b'{"ids": null}'])
+def test_a_request_that_is_not_json_or_has_no_ids_is_refused(body: bytes) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - JSON's own message, or ours
+        decode_request(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"[]", "no JSON object"),
+        (b'{"infos": 3}', "no rows to a request of 1 ids"),
+        (b'{"infos": [7]}', "row for 'a' is no JSON object"),
+        (b'{"infos": [{"schedule_id": "a"}]}', "row for 'a'"),
+    ],
+)
+def test_an_answer_that_is_not_one_is_refused(body: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        decode_answer(body, ["a"])
 
 
 def _renamed(info: ScheduleInfo, schedule_id: str) -> ScheduleInfo:
