@@ -81,8 +81,9 @@ MAX_IDS = 10_000
 REREAD_AFTER_S = 86_400.0
 #: Between a lost connection and the next attempt, s (doubling up to 5 s).
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 5.0
-#: A marker not read back after this long (s) ends its requests' wait: their askers,
-#: which wait ``Settings.lookup_timeout_s`` (1 s), read the journal.
+#: A marker not read back after this long (s) ends the session: the journal is read
+#: anew from its start (a stream deleted and declared again, a reading that stalled);
+#: the askers, who wait ``Settings.lookup_timeout_s`` (1 s), read it meanwhile.
 _MARKER_READ_S = 5.0
 #: After a refusal (403: a grant without ``{prefix}.lookups``), s.
 _REFUSED_RETRY_S = 60.0
@@ -429,10 +430,10 @@ class _Session:
             self._answer_all(None, why)
             self._stop_reading()
 
-        def overdue() -> None:  # a reading that stalls: its askers read the journal
-            if self.marker == marker:
-                self._answer_all(None, f"the marker not read back within {_MARKER_READ_S} s")
-                self._stop_reading()
+        def overdue() -> None:  # a reading that stalls (a stream declared anew, say)
+            if self.marker == marker and not self.ended.done():
+                why = f"a marker not read back within {_MARKER_READ_S:g} s"
+                self.ended.set_result(BrokerUnavailableError(why))  # read it all anew
 
         record = encode_journal([JournalRecord(MARKER, marker, 0, 0)])
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -227,3 +228,33 @@ async def test_a_relay_stopping_while_asked_leaves_no_asker_wrong_and_warns_of_n
     assert relay.lookups.answered >= 20
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warned == []
+
+
+async def test_a_journal_declared_anew_under_an_answering_relay_is_read_anew(
+    relays: Relays,
+    make_settings: Callable[..., hopsched.Settings],
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    """Its reading resumes at an offset the new stream has not reached: its marker never
+    comes back, so after ``_MARKER_READ_S`` it reads the new stream from its start;
+    meanwhile the askers read the journal themselves, never a wrong answer."""
+    settings = make_settings(lookups=True)
+    relay = await answering(relays, settings)
+    assert relay.lookups is not None
+    async with hopsched.Scheduler(settings, declare=True) as scheduler:
+        for _ in range(5):
+            await scheduler.schedule(b"old", delay=3600, routing_key="nowhere")
+        await scheduler.get_many([UNKNOWN])  # read up to here
+        journal = hopsched.Topology.from_settings(settings).journal_stream
+        channel = await amqp.channel()
+        await channel.queue_delete(journal)
+        arguments = hopsched.Topology.from_settings(settings).queues()[journal]
+        await channel.declare_queue(journal, durable=True, arguments=arguments)
+        scheduled = await scheduler.schedule(b"new", delay=3600, routing_key="nowhere")
+        started = time.monotonic()
+        while relay.lookups.readings < 2 or not relay.lookups.ready:
+            assert await state_of(scheduler, scheduled.schedule_id) == PENDING
+            assert time.monotonic() - started < 60, "the relay did not read the new journal"
+        answered = relay.lookups.answered
+        assert await state_of(scheduler, scheduled.schedule_id) == PENDING
+        assert relay.lookups.answered == answered + 1
