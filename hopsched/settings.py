@@ -185,10 +185,10 @@ class Settings:
         metrics_address: the address it listens on: ``127.0.0.1`` (the default, this
             machine only) or e.g. ``0.0.0.0`` / ``::`` for every interface.
         lookups: a relay answers look-ups (``Scheduler.get``, ``get_many``) from the
-            journal it reads once and follows, in milliseconds however long the journal,
-            instead of each look-up reading it all (``hopsched.journal.lookups``; False by
-            default: it costs the relay the journal's memory, about 127 bytes per pending
-            schedule, and the CPU of reading every record).
+            journal it reads once and keeps, reading when asked what was written since:
+            milliseconds however long the journal, instead of each look-up reading it all
+            (``hopsched.journal.lookups``; False by default: it costs the relay the
+            journal's memory, about 127 bytes per pending schedule, and CPU per look-up).
         lookup_timeout_s: how long ``get()`` waits for a relay's answer before it reads
             the journal itself, s (no relay answering look-ups answers at once).
         signing_keys: keys (``SigningKey``, or ``KEY-ID:SECRET`` text with the secret in

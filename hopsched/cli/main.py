@@ -96,7 +96,7 @@ def main(verbose: int, log_format: str) -> None:
 @click.option(
     "--lookups/--no-lookups",
     default=None,
-    help="Answer look-ups (get) from the journal read once and followed: milliseconds "
+    help="Answer look-ups (get) from the journal read once and kept: milliseconds "
     "however long the journal, for its memory (about 127 bytes per pending schedule) "
     "[HOPSCHED_LOOKUPS; default off].",
 )

@@ -846,7 +846,7 @@ class Scheduler:
         its last record is older than the journal keeps, ``JOURNAL_RETENTION_US``).
 
         A relay that answers look-ups (``Settings.lookups``) answers in milliseconds from
-        the journal it follows (``pending_copies`` None then); its answer knows every
+        the journal it keeps (``pending_copies`` None then); its answer knows every
         record confirmed before the call, as a reading does (``hopsched.journal.lookups``).
         Without one (or none answering within ``Settings.lookup_timeout_s``) it reads the
         journal from its start, on a new connection: its cost grows with the stream

@@ -186,7 +186,7 @@ class LookupServer:
         self.answered = 0
         self.readings = 0
         self._session: _Session | None = None
-        self._connector = Connector(settings, name="hopsched-lookups")
+        self.connector = Connector(settings, name="hopsched-lookups")
 
     @property
     def ready(self) -> bool:
@@ -197,7 +197,7 @@ class LookupServer:
         delay = _RETRY_FIRST_S
         while True:
             try:
-                connection = await self._connector.connect()
+                connection = await self.connector.connect()
             except HopschedError as error:
                 log.warning("look-ups: cannot connect (%s); trying again in %.1f s", error, delay)
                 await asyncio.sleep(delay)
@@ -256,7 +256,7 @@ class _Session:
         self.stream = server.topology.journal_stream
         self.offset: int | str = "first"  # where the next reading starts
         self.asked = asyncio.Event()  # a marker is on its way: read until it is back
-        self.answered = asyncio.Event()  # none is: stop reading
+        self.idle = asyncio.Event()  # none is: stop reading (``asked``'s opposite)
         self.reading: amqp.Channel
         self.acker: Acker
 
@@ -310,7 +310,7 @@ class _Session:
                 offset = {"x-stream-offset": self.offset}
                 lost = self._lost("the journal's reading")
                 tag = await self.reading.consume(self.stream, self._read, lost, arguments=offset)
-                await self.answered.wait()
+                await self.idle.wait()
                 await self.reading.cancel(tag)  # what it sent before is read all the same
         except HopschedError as error:  # the channel's closing ends the session too
             if not self.ended.done():
@@ -333,7 +333,7 @@ class _Session:
 
     async def _open_replies(self) -> None:
         """Raises: HopschedError (cannot connect)."""
-        connection = await self.server._connector.connect()
+        connection = await self.server.connector.connect()
         try:
             self.replies = await connection.channel()
         except BaseException:
@@ -418,7 +418,7 @@ class _Session:
         marker = uuid.uuid4().hex
         self.marker = marker
         self.behind, self.waiting = self.waiting, []
-        self.answered.clear()
+        self.idle.clear()
         self.asked.set()
 
         def written(outcome: amqp.Outcome, detail: Any) -> None:
@@ -466,7 +466,7 @@ class _Session:
     def _stop_reading(self) -> None:
         self.marker = None
         self.asked.clear()
-        self.answered.set()
+        self.idle.set()
 
     def _answer_all(self, infos: None, why: str) -> None:
         for request in (*self.behind, *self.waiting):
