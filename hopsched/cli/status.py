@@ -213,7 +213,10 @@ async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None]
     """(schedules pending, the next due time in µs or None) from the journal, or why it
     could not be read."""
     if not declared:
-        return "the journal is not declared yet (a relay of this version declares it)"
+        return (
+            "the journal is not declared (a relay declares it at its start or its next "
+            "journal write; so does `hopsched declare`)"
+        )
     try:
         fold = await read_journal(settings, copies=False)
     except HopschedError as error:

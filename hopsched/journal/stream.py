@@ -100,6 +100,9 @@ class JournalWriter:
         on_result: ``on_result(records, ok)`` after each stream write's outcome (counting).
         user_id: the writer's login (``Settings.owner``), set on each stream message: a
             reader learns who wrote a cancel from it (the broker checked it). None: unset.
+        on_returned: ``on_returned(records)`` after a batch of ``add`` came back
+            unroutable (no stream of that name: deleted?), its ``then`` run already; a
+            relay declares the stream again and adds the records again.
     """
 
     def __init__(
@@ -109,10 +112,12 @@ class JournalWriter:
         on_result: Callable[[int, bool], None],
         *,
         user_id: str | None = None,
+        on_returned: Callable[[list[JournalRecord]], None] | None = None,
     ) -> None:
         self.publisher = publisher
         self.stream = stream
         self.on_result = on_result
+        self.on_returned = on_returned
         self.properties = _PROPERTIES.replace(user_id=user_id).encode()
         self._batch: list[JournalRecord] = []
         self._then: list[Callable[[], None]] = []  # of the batch's records
@@ -169,6 +174,8 @@ class JournalWriter:
             if late is not None:
                 late.cancel()
             run_then()
+            if outcome is amqp.Outcome.RETURNED and self.on_returned is not None:
+                self.on_returned(batch)
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
 
@@ -268,7 +275,7 @@ async def read_journal(
         BrokerUnavailableError: cannot connect, or the stream gave nothing for
             ``READ_TIMEOUT_S``, or routed nothing for as long (a node not yet recovered).
         ChannelClosedError: the journal is missing (404: a prefix declared by a hopsched
-            before the journal: a relay of this version declares it).
+            before the journal, or the journal deleted: a relay declares it).
         AccessRefusedError: may not write the marker or read the stream (403).
     """
     stream = Topology.from_settings(settings).journal_stream
@@ -383,7 +390,9 @@ async def _write_marker(
             raise ChannelClosedError(
                 404,
                 f"NOT_FOUND - no stream {stream!r}: the prefix was declared by a hopsched "
-                "without a journal, or torn down (a relay of this version declares it)",
+                "without a journal, the journal deleted, or the prefix torn down (a relay "
+                "declares it at its start or its next journal write; so does `hopsched "
+                "declare`)",
             )
         if time.monotonic() + MARKER_RETRY_S > deadline:
             raise BrokerUnavailableError(

@@ -65,6 +65,7 @@ from hopsched.errors import (
     BrokerConnectionLost,
     BrokerUnavailableError,
     ChannelClosedError,
+    HopschedError,
     PrefixNotDeclaredError,
 )
 from hopsched.journal.cancels import CancelReader
@@ -457,7 +458,10 @@ class _Session:
             self.topology.journal_stream,
             self.stats.record_journal,
             user_id=self.settings.owner,
+            on_returned=self._journal_returned,
         )
+        self._returned: list[JournalRecord] = []  # records a gone journal returned
+        self._journal_check: asyncio.Task[None] | None = None
         self.refresh_ms = refresh_step_ms(relay.ladder.max_step_ms)
         broker_clock = relay.broker_clock
         self.holds = Holds(
@@ -652,6 +656,43 @@ class _Session:
         finally:
             await channel.close()
         return False
+
+    def _journal_returned(self, records: list[JournalRecord]) -> None:
+        """A batch of records came back unroutable: see whether the journal is gone."""
+        self._returned.extend(records)
+        if self._journal_check is None:
+            self._journal_check = asyncio.ensure_future(self._declare_journal_again())
+
+    async def _declare_journal_again(self) -> None:
+        """The journal is gone while the prefix is not (an operator deleted it, or a
+        policy): declare it again and write the returned records again; what it held
+        went with it (docs/operations.md, "When the journal takes no writes"). A stream
+        that is there but routed nothing (a node still recovering) or a teardown under
+        way (the cancel stream gone too): the records stay lost, counted."""
+        topology = self.topology
+        try:
+            while self._returned:
+                gone = await self._missing(topology.journal_stream)
+                if gone and not self.declarer.torn_down:
+                    gone = not await self._missing(topology.cancel_stream)
+                records, self._returned = self._returned, []
+                if not gone or self.declarer.torn_down:
+                    continue
+                log.warning(
+                    "%s is gone (deleted by an operator or a policy?): declaring it again; "
+                    "the records it held went with it, so get() and pending() know a "
+                    "schedule again from its next record (a refresh, a delivery) or "
+                    "its Scheduler's write",
+                    topology.journal_stream,
+                )
+                await self.declarer.declare([topology.journal_stream])
+                for record in records:
+                    self.journal.add(record)
+        except HopschedError as error:
+            log.warning("could not declare %s again (%s)", topology.journal_stream, error)
+        finally:
+            self._journal_check = None
+            self._returned.clear()
 
     def _torn_down(self) -> PrefixNotDeclaredError:
         """The prefix's cancel stream is gone: a teardown (``hopsched teardown`` deletes

@@ -140,3 +140,35 @@ async def test_close_tries_once_more_and_says_what_it_gives_up(
     async with hopsched.Scheduler(settings) as reader:
         fold = [info async for info in reader.pending()]
     assert len(fold) == COUNT  # ("before" went with the journal deleted)
+
+
+async def test_a_running_relay_declares_a_deleted_journal_again_at_its_next_write(
+    settings: hopsched.Settings,
+    amqp: aio_pika.abc.AbstractConnection,
+    targets: Targets,
+    relays: Relays,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The journal deleted under a relay and a Scheduler: the relay's next write (a
+    delivery's record) comes back, and it declares the journal again and writes that
+    record; the Scheduler's kept records follow at its next try."""
+    target = await targets.queue()
+    caplog.set_level(logging.WARNING, "hopsched.relay")
+    await relays.start(settings)
+    async with hopsched.Scheduler(settings) as scheduler:
+        await scheduler.schedule(b"before", delay=600, routing_key=target.name)
+        await delete_journal(settings, amqp)
+        soon = await scheduler.schedule(b"soon", delay=0.5, routing_key=target.name)
+        assert scheduler.journal_backlog == 1  # returned: kept
+        await target.wait_for_ids({soon.schedule_id}, within=30)
+        await until(lambda: scheduler.journal_backlog == 0, within=60)  # back-off alone
+
+        info = await scheduler.get(soon.schedule_id)
+        assert info is not None
+        # The relay's delivered record, written again once it declared the journal.
+        assert (info.state, info.due_us) == (DELIVERED, soon.due_us)
+    declared = [r.getMessage() for r in caplog.records if "declaring it again" in r.getMessage()]
+    assert len(declared) == 1, declared
+    assert "went with it" in declared[0]
+    target.assert_never_early()
+    assert [r.schedule_id for r in target.received] == [soon.schedule_id]
