@@ -62,7 +62,14 @@ from hopsched import amqp
 from hopsched.amqp.wire import check_content_header
 from hopsched.errors import BrokerConnectionLost, ChannelClosedError
 
-__all__ = ["LADDER_LANE", "Publisher", "target_lane"]
+__all__ = [
+    "LADDER_LANE",
+    "SILENCE_RECHECK_S",
+    "SILENCE_RESOLUTION_S",
+    "Publisher",
+    "silence_look_after",
+    "target_lane",
+]
 
 log = logging.getLogger("hopsched.publisher")
 
@@ -75,6 +82,11 @@ _REOPEN_MAX_S = 5.0
 #: Channels of a connection a publisher leaves to others (a consumer, the cancel reader).
 _RESERVED_CHANNELS = 8
 _CLOSE_TIMEOUT_S = 5.0  # a broker blocking the connection (an alarm) answers nothing
+#: The shortest wait before a silence deadline is looked at again: asyncio runs a timer
+#: up to its clock resolution early, and a wait of 0 would spin.
+SILENCE_RESOLUTION_S = 0.001
+#: The wait before looking again while a ping is unanswered or the connection blocked.
+SILENCE_RECHECK_S = 1.0
 #: The queue a silence ping is routed to: none (a client cannot declare ``amq.`` names),
 #: so the broker answers it at once, without a queue: ``basic.ack`` (not mandatory).
 _PING_QUEUE = "amq.hopsched.ping"
@@ -88,6 +100,21 @@ _PROVEN_IDLE_KEPT = 64
 #: Lanes remembered as confirmed (most recently confirmed kept): enough for every
 #: target a relay keeps busy.
 _PROVEN_KEPT = 4096
+
+
+def silence_look_after(until_deadline_s: float, waiting: bool) -> float | None:
+    """Seconds until a lane's silence watch looks again, or None: ping now.
+
+    Args:
+        until_deadline_s: the earliest unanswered publish's deadline less now (s).
+        waiting: a ping is unanswered or the connection is blocked: nothing can be
+            told before ``SILENCE_RECHECK_S``, and not before the deadline.
+    """
+    if waiting:
+        return max(until_deadline_s, SILENCE_RECHECK_S)
+    if until_deadline_s > 0:  # woken a hair early: the deadline, not a second later
+        return max(until_deadline_s, SILENCE_RESOLUTION_S)
+    return None
 
 
 def target_lane(exchange: str) -> str:
@@ -521,9 +548,10 @@ class Publisher:
         ]
         if not deadlines:
             return
-        if lane.pinging or min(deadlines) > now or self.connection.blocked:
-            # A blocked connection confirms nothing: no queue's silence is shown by it.
-            later = max(min(deadlines) - now, 1.0)
+        # A blocked connection confirms nothing: no queue's silence is shown by it.
+        waiting = lane.pinging or self.connection.blocked is not None
+        later = silence_look_after(min(deadlines) - now, waiting)
+        if later is not None:
             lane.silence_watch = loop.call_later(later, self._watch_silence, lane)
             return
         lane.pinging = True
