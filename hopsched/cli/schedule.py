@@ -449,7 +449,7 @@ def _not_pending(schedule_id: str, info: ScheduleInfo | None) -> str:
     if info is None:
         return (
             f"the journal knows no schedule {schedule_id!r} (never scheduled on this prefix, "
-            "or its last record is older than the journal keeps)"
+            "its last record older than the journal keeps, or the journal deleted since)"
         )
     if info.state in (PENDING, HELD):  # after a cancel or reschedule of this login's
         return (
@@ -573,7 +573,8 @@ def get(
     if unknown:
         raise Unknown(
             f"the journal knows no schedule {', '.join(map(repr, unknown))} (never scheduled "
-            "on this prefix, or their last records are older than the journal keeps)"
+            "on this prefix, their last records older than the journal keeps, or the "
+            "journal deleted since)"
         )
 
 

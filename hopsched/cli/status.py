@@ -153,9 +153,11 @@ def _status_problems(
         problems.append(str(other_ladder))
     elif missing:
         problems.append(
-            f"{len(missing)} of the prefix's queues are missing ({', '.join(missing[:3])}"
+            f"{len(missing)} of the prefix's queues {'is' if len(missing) == 1 else 'are'} "
+            f"missing ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): check --prefix and --queue-type, or "
-            "declare them with `hopsched declare` (a relay declares them when it starts)"
+            "declare them with `hopsched declare` (a relay declares them when it starts, "
+            "and one it needs again when it is gone)"
         )
     for name in topology.holding_queues:
         if (depth := depths.get(name)) is not None:
@@ -164,6 +166,13 @@ def _status_problems(
                 f"the relays and run `hopsched upgrade --prefix {settings.prefix}` again"
             )
     relay = depths.get(topology.relay_queue)
+    if relay is not None and depths.get(topology.journal_stream) is None:
+        problems.append(
+            f"the journal {topology.journal_stream} is missing (deleted?): get() and "
+            "pending() fail until it is declared again, by a relay at its start or its "
+            "next write to it, or by `hopsched declare`; the schedules it knew are known "
+            "again only from their next record"
+        )
     waiting = sum(
         depth.messages
         for name in (*topology.step_queues, topology.relay_queue)
@@ -298,7 +307,7 @@ def _show_status(
         if depth is None and name == topology.cancel_stream:
             text = "missing (a relay or the first cancel declares it)"
         elif depth is None and name == topology.journal_stream:
-            text = "not declared yet (a relay or the first schedule declares it)"
+            text = "missing (a relay declares it at its start or next write to it)"
         elif name in topology.holding_queues:
             text += " (an interrupted upgrade: run `hopsched upgrade` again)"
         elif depth is not None and name in (*topology.streams, topology.ingress_registry):

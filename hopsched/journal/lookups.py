@@ -170,6 +170,8 @@ class LookupServer:
     Args:
         settings: the broker and prefix; ``hold_window_ms`` tells pending from held.
         clock: the time now, µs since the epoch (the relay's).
+        on_journal_missing: called when a reading finds no journal (404): a relay
+            declares it again if it is gone.
 
     Attributes:
         answered: requests answered from the fold.
@@ -178,8 +180,15 @@ class LookupServer:
         ready: see the property.
     """
 
-    def __init__(self, settings: Settings, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], int],
+        *,
+        on_journal_missing: Callable[[], None] | None = None,
+    ) -> None:
         self.settings = settings
+        self.on_journal_missing = on_journal_missing
         self.topology = Topology.from_settings(settings)
         self.name = self.topology.lookups
         self.clock = clock
@@ -220,11 +229,24 @@ class LookupServer:
                     )
                     await asyncio.sleep(_REFUSED_RETRY_S)
                     continue
-                log.warning(
-                    "look-ups: %s; the journal is read anew in %.1f s (get() reads it meanwhile)",
-                    error,
-                    delay,
-                )
+                if isinstance(error, ChannelClosedError) and error.reply_code == 404:
+                    log.warning(
+                        "look-ups: %s is missing (%s); it is declared again if it is gone "
+                        "(the relay, or `hopsched declare`), and read anew in %.1f s; "
+                        "meanwhile get() reads it itself, and fails as this did",
+                        self.topology.journal_stream,
+                        error,
+                        delay,
+                    )
+                    if self.on_journal_missing is not None:
+                        self.on_journal_missing()
+                else:
+                    log.warning(
+                        "look-ups: %s; the journal is read anew in %.1f s (get() reads it "
+                        "meanwhile)",
+                        error,
+                        delay,
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
             finally:

@@ -169,7 +169,10 @@ class JournalWriter:
                 call()
 
         def written(outcome: amqp.Outcome, detail: Any) -> None:
-            self._answered(count, outcome, detail)
+            if outcome is amqp.Outcome.RETURNED and self.on_returned is not None:
+                self.on_result(count, False)  # on_returned says what became of them
+            else:
+                self._answered(count, outcome, detail)
             self._in_flight -= 1
             if late is not None:
                 late.cancel()

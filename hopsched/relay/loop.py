@@ -370,8 +370,15 @@ class Relay:
         the relay consumes, on a connection of their own."""
         if self.settings.lookups:
             await self._consuming.wait()
-            self.lookups = LookupServer(self.settings, self.clock)
+            self.lookups = LookupServer(
+                self.settings, self.clock, on_journal_missing=self._journal_missing
+            )
             await self.lookups.run()
+
+    def _journal_missing(self) -> None:
+        """The look-ups found no journal: the session declares it again if it is gone."""
+        if self._session is not None:
+            self._session.check_journal()
 
     async def _unless_stopping(self, work: Awaitable[Any]) -> Any:
         """``await work``, unless ``stop()`` comes first: then cancel it and return None."""
@@ -461,6 +468,7 @@ class _Session:
             on_returned=self._journal_returned,
         )
         self._returned: list[JournalRecord] = []  # records a gone journal returned
+        self._journal_suspect = False  # checked whether it is gone since? (check_journal)
         self._journal_check: asyncio.Task[None] | None = None
         self.refresh_ms = refresh_step_ms(relay.ladder.max_step_ms)
         broker_clock = relay.broker_clock
@@ -552,9 +560,18 @@ class _Session:
     async def _start(self) -> tuple[amqp.Channel, asyncio.Future[Any]]:
         """Declare the topology, follow the cancel stream, open the consuming channel."""
         new = await self._missing(self.topology.relay_queue)
+        journal_gone = not new and await self._missing(self.topology.journal_stream)
         await self.declarer.declare()
         if new:
             log.warning("%s", new_prefix_warning(self.topology, self.settings.masked_url))
+        elif journal_gone:
+            log.warning(
+                "%s was missing (deleted, or the prefix declared by a hopsched before the "
+                "journal): declared it; get() and pending() know a schedule made before "
+                "only from its next record (its Scheduler's kept write, a refresh, its "
+                "delivery), and say they know none meanwhile",
+                self.topology.journal_stream,
+            )
         try:
             lost_stream = await self.relay.cancel_reader.follow(
                 self.connection, self.publisher, self._record_read
@@ -660,6 +677,12 @@ class _Session:
     def _journal_returned(self, records: list[JournalRecord]) -> None:
         """A batch of records came back unroutable: see whether the journal is gone."""
         self._returned.extend(records)
+        self.check_journal()
+
+    def check_journal(self) -> None:
+        """See whether the journal is gone (a write of it came back unroutable, the
+        look-ups found no stream), and if so declare it again."""
+        self._journal_suspect = True
         if self._journal_check is None:
             self._journal_check = asyncio.ensure_future(self._declare_journal_again())
 
@@ -671,18 +694,29 @@ class _Session:
         way (the cancel stream gone too): the records stay lost, counted."""
         topology = self.topology
         try:
-            while self._returned:
+            while self._journal_suspect:
+                self._journal_suspect = False
                 gone = await self._missing(topology.journal_stream)
                 if gone and not self.declarer.torn_down:
                     gone = not await self._missing(topology.cancel_stream)
                 records, self._returned = self._returned, []
-                if not gone or self.declarer.torn_down:
+                if self.declarer.torn_down:
+                    break
+                if not gone:
+                    if records:
+                        log.warning(
+                            "%s returned %d journal records although it is there (a node "
+                            "still recovering?): the messages they tell of are delivered "
+                            "or parked all the same; get() and pending() may not know them",
+                            topology.journal_stream,
+                            len(records),
+                        )
                     continue
                 log.warning(
                     "%s is gone (deleted by an operator or a policy?): declaring it again; "
                     "the records it held went with it, so get() and pending() know a "
-                    "schedule again from its next record (a refresh, a delivery) or "
-                    "its Scheduler's write",
+                    "schedule again only from its next record (its Scheduler's kept write, "
+                    "a refresh, its delivery), and say they know none meanwhile",
                     topology.journal_stream,
                 )
                 await self.declarer.declare([topology.journal_stream])

@@ -153,7 +153,7 @@ async def test_a_running_relay_declares_a_deleted_journal_again_at_its_next_writ
     delivery's record) comes back, and it declares the journal again and writes that
     record; the Scheduler's kept records follow at its next try."""
     target = await targets.queue()
-    caplog.set_level(logging.WARNING, "hopsched.relay")
+    caplog.set_level(logging.WARNING, "hopsched")
     await relays.start(settings)
     async with hopsched.Scheduler(settings) as scheduler:
         await scheduler.schedule(b"before", delay=600, routing_key=target.name)
@@ -167,8 +167,28 @@ async def test_a_running_relay_declares_a_deleted_journal_again_at_its_next_writ
         assert info is not None
         # The relay's delivered record, written again once it declared the journal.
         assert (info.state, info.due_us) == (DELIVERED, soon.due_us)
-    declared = [r.getMessage() for r in caplog.records if "declaring it again" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records]
+    declared = [line for line in logged if "declaring it again" in line]
     assert len(declared) == 1, declared
     assert "went with it" in declared[0]
+    # the relay's writer does not say the records are lost, then write them
+    assert not any("did not take" in line and "journal records" in line for line in logged)
     target.assert_never_early()
     assert [r.schedule_id for r in target.received] == [soon.schedule_id]
+
+
+async def test_a_relay_starting_on_a_prefix_without_its_journal_says_it_declared_it(
+    settings: hopsched.Settings,
+    amqp: aio_pika.abc.AbstractConnection,
+    relays: Relays,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "hopsched.relay")
+    await declare_topology(settings)
+    await delete_journal(settings, amqp)
+    await relays.start(settings)
+    journal = Topology.from_settings(settings).journal_stream
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(journal)]
+    assert len(said) == 1, said
+    assert "was missing" in said[0]
+    assert "know a schedule made before only from its next record" in said[0]

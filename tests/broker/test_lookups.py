@@ -21,6 +21,7 @@ import pytest
 from support import Relays, Targets, hopsched_cli, until
 
 import hopsched
+from hopsched.errors import BrokerConnectionLost, ChannelClosedError
 from hopsched.journal.lookups import LookupServer
 from hopsched.journal.records import CANCELLED, DELIVERED, PENDING, ScheduleInfo
 from hopsched.journal.stream import read_journal
@@ -46,6 +47,22 @@ async def answering(relays: Relays, settings: hopsched.Settings) -> hopsched.Rel
     relay = await relays.start(settings)
     await until(lambda: relay.lookups is not None and relay.lookups.ready, within=10)
     return relay
+
+
+async def get_unless_404(scheduler: hopsched.Scheduler, schedule_id: str) -> Any:
+    """``get()``, or "404" while the journal is missing. RabbitMQ 3.10.8 also closes
+    the connection of a write to a stream just deleted (541) or just declared and not
+    yet started (506): the same gap, seen from the reading's marker."""
+    try:
+        return await scheduler.get(schedule_id)
+    except ChannelClosedError as error:
+        if error.reply_code != 404:
+            raise
+        return "404"
+    except BrokerConnectionLost as error:
+        if not any(code in str(error) for code in ("506 RESOURCE_ERROR", "541 INTERNAL_ERROR")):
+            raise
+        return "404"
 
 
 def same(info: ScheduleInfo | None) -> Any:
@@ -258,3 +275,34 @@ async def test_a_journal_declared_anew_under_an_answering_relay_is_read_anew(
         answered = relay.lookups.answered
         assert await state_of(scheduler, scheduled.schedule_id) == PENDING
         assert relay.lookups.answered == answered + 1
+
+
+async def test_a_journal_deleted_under_an_idle_answering_relay_is_declared_again_when_asked(
+    relays: Relays,
+    make_settings: Callable[..., hopsched.Settings],
+    amqp: aio_pika.abc.AbstractConnection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing due, so the relay writes no record; a look-up finds no journal, and the
+    relay declares it again: get() answers again (the deleted history aside), and the
+    relay's log says what happened, not that get() reads it meanwhile."""
+    caplog.set_level(logging.WARNING, "hopsched")
+    settings = make_settings(lookups=True)
+    relay = await answering(relays, settings)
+    assert relay.lookups is not None
+    async with hopsched.Scheduler(settings) as scheduler:
+        old = await scheduler.schedule(b"old", delay=3600, routing_key="nowhere")
+        assert await state_of(scheduler, old.schedule_id) == PENDING
+        channel = await amqp.channel()
+        await channel.queue_delete(hopsched.Topology.from_settings(settings).journal_stream)
+        await channel.close()
+        started = time.monotonic()
+        while (answer := await get_unless_404(scheduler, old.schedule_id)) == "404":
+            assert time.monotonic() - started < 60, "the journal was not declared again"
+            await asyncio.sleep(0.2)
+        assert answer is None  # its record went with the journal
+        new = await scheduler.schedule(b"new", delay=3600, routing_key="nowhere")
+        assert await state_of(scheduler, new.schedule_id) == PENDING
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("is gone" in line and "declaring it again" in line for line in logged), logged
+    assert not any("get() reads it meanwhile" in line for line in logged), logged
