@@ -148,6 +148,26 @@ async def test_status_of_a_prefix_with_no_queues_exits_4_saying_check_the_prefix
     assert "Traceback" not in err
 
 
+async def test_status_exits_1_naming_a_deleted_journal_and_declares_nothing(
+    settings: hopsched.Settings, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    """Found by a new-user trial: with the journal deleted, status said "not declared
+    yet" and exited 0, while get() and pending() failed with 404."""
+    topology = hopsched.Topology.from_settings(settings)
+    await declare(topology, amqp)
+    await (await amqp.channel()).queue_delete(topology.journal_stream)
+
+    status, out, err = await hopsched_cli("status", settings=settings)
+
+    assert status == 1, (out, err)
+    assert re.search(rf"{re.escape(topology.journal_stream)} +missing", out)
+    assert f"the journal {topology.journal_stream} is missing" in err
+    assert "get() and pending() fail" in err
+    assert "Traceback" not in err
+    with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):  # still not declared
+        await (await amqp.channel()).declare_queue(topology.journal_stream, passive=True)
+
+
 @pytest.mark.parametrize(
     "command", [["cancel", "order-42"], ["reschedule", "order-42", "--in", "1h"]]
 )
