@@ -697,10 +697,11 @@ class _Session:
             while self._journal_suspect:
                 self._journal_suspect = False
                 gone = await self._missing(topology.journal_stream)
-                if gone and not self.declarer.torn_down:
-                    gone = not await self._missing(topology.cancel_stream)
+                torn_down = self.declarer.torn_down or (
+                    gone and await self._missing(topology.cancel_stream)
+                )
                 records, self._returned = self._returned, []
-                if self.declarer.torn_down:
+                if torn_down:  # the session stops on its own (_torn_down)
                     break
                 if not gone:
                     if records:
