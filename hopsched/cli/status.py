@@ -20,7 +20,7 @@ from hopsched.cli.common import (
 from hopsched.cli.policies import check_policies_or_fail, echo_policies, policy_risk
 from hopsched.connect import connect
 from hopsched.core.cancel import RecordTally
-from hopsched.core.clock import us_to_datetime
+from hopsched.core.clock import now_us, us_to_datetime
 from hopsched.errors import (
     HopschedError,
     TopologyMismatchError,
@@ -74,7 +74,7 @@ def status(
         RelayNodes | None,
         str | None,
         RecordTally | str,
-        tuple[int, int | None] | str,
+        Pending | str,
         int,
     ]:
         connection = await connect(settings)
@@ -102,7 +102,7 @@ def status(
             RelayNodes | None,
             str | None,
             RecordTally | str,
-            tuple[int, int | None] | str,
+            Pending | str,
             int,
         ],
         run(go()),
@@ -218,9 +218,23 @@ async def _unrestored(settings: Settings, *, gone: bool) -> str | None:
     )
 
 
-async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None] | str:
-    """(schedules pending, the next due time in µs or None) from the journal, or why it
-    could not be read."""
+#: Past its due time by more than this, a schedule the journal calls pending while a
+#: relay runs is not one on its way (a relay delivers within ms, catches up in seconds).
+LONG_OVERDUE_US = 60_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """What the journal says is pending: how many, the next due time (µs since the
+    epoch, None: none), and how many are over ``LONG_OVERDUE_US`` past their due time."""
+
+    count: int
+    next_due_us: int | None
+    overdue: int
+
+
+async def _journal(settings: Settings, declared: bool) -> Pending | str:
+    """What the journal says is pending, or why it could not be read."""
     if not declared:
         return (
             "the journal is not declared (a relay declares it at its start or its next "
@@ -230,21 +244,33 @@ async def _journal(settings: Settings, declared: bool) -> tuple[int, int | None]
         fold = await read_journal(settings, copies=False)
     except HopschedError as error:
         return f"not read: {error}"
-    count, next_due = 0, None
-    for schedule_id in fold.pending():
+    count, next_due, overdue = 0, None, 0
+    long_ago = now_us() - LONG_OVERDUE_US
+    for schedule_id in fold.pending():  # in due order
+        due = fold.due_us(schedule_id)
         if not count:
-            next_due = fold.due_us(schedule_id)
+            next_due = due
+        if due is not None and due < long_ago:
+            overdue += 1
         count += 1
-    return count, next_due
+    return Pending(count, next_due, overdue)
 
 
-def _journal_line(journal: tuple[int, int | None] | str) -> str:
+def _journal_lines(journal: Pending | str, relay_consumers: int) -> list[str]:
     if isinstance(journal, str):
-        return f"pending: {journal}"
-    count, next_due = journal
-    if next_due is None:
-        return f"pending: {count} (journal)"
-    return f"pending: {count} (journal), next due {us_to_datetime(next_due).isoformat()}"
+        return [f"pending: {journal}"]
+    line = f"pending: {journal.count} (journal)"
+    if journal.next_due_us is not None:
+        line += f", next due {us_to_datetime(journal.next_due_us).isoformat()}"
+    lines = [line]
+    if journal.overdue and relay_consumers:
+        lines.append(
+            f"  {journal.overdue} of them over {LONG_OVERDUE_US // 1_000_000} s past their "
+            "due time while a relay runs: delivered with no record of it (a relay killed "
+            "before writing it), or lost from the ladder (a queue deleted); `hopsched "
+            "pending` lists them, `hopsched get ID` tells one"
+        )
+    return lines
 
 
 def _records_lines(tally: RecordTally | str) -> list[str]:
@@ -271,7 +297,7 @@ def _show_status(
     as_json: bool,
     records: RecordTally | str,
     policies: dict[str, Any] | None,
-    journal: tuple[int, int | None] | str,
+    journal: Pending | str,
     answering: int = 0,
 ) -> None:
     relay_depth = depths.get(topology.relay_queue)
@@ -290,8 +316,11 @@ def _show_status(
             "pending": journal
             if isinstance(journal, str)
             else {
-                "count": journal[0],
-                "next_due": None if journal[1] is None else us_to_datetime(journal[1]).isoformat(),
+                "count": journal.count,
+                "next_due": None
+                if journal.next_due_us is None
+                else us_to_datetime(journal.next_due_us).isoformat(),
+                "overdue": journal.overdue,
             },
         }
         if nodes is not None:
@@ -318,7 +347,8 @@ def _show_status(
         f"relays answering look-ups: {answering}"
         + ("" if answering else " (get() reads the journal; `hopsched relay --lookups`)")
     )
-    click.echo(_journal_line(journal))
+    for line in _journal_lines(journal, relay_consumers):
+        click.echo(line)
     for line in _records_lines(records):
         click.echo(line)
     if nodes is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from support import Targets, hopsched_cli, unique, until
+from support import Relays, Targets, hopsched_cli, unique, until
 from support.amqp import open_connection
 
 import hopsched
@@ -26,7 +26,15 @@ from hopsched.core.cancel import CANCEL
 from hopsched.core.clock import now_us
 from hopsched.core.ladder import MAX_STEP_MS
 from hopsched.journal.backlog import FIRST_WAIT_S
-from hopsched.journal.records import CANCELLED, DELIVERED, HELD, PARKED, PENDING, JournalRecord
+from hopsched.journal.records import (
+    CANCELLED,
+    DELIVERED,
+    HELD,
+    PARKED,
+    PENDING,
+    SCHEDULED,
+    JournalRecord,
+)
 from hopsched.journal.stream import JournalWriter, read_journal
 
 S = 1_000_000
@@ -421,3 +429,40 @@ async def test_the_cli_gets_lists_replaces_and_reschedules_from_another_process(
     )
     assert status == 3
     assert "nothing rescheduled" in err
+
+
+async def test_status_counts_the_pending_long_past_their_due_time_while_a_relay_runs(
+    scheduler: hopsched.Scheduler,
+    settings: hopsched.Settings,
+    broker_url: str,
+    relays: Relays,
+) -> None:
+    """Found by a new-user trial: a step queue deleted with its messages left them
+    pending in the journal, past their due time, and status showed a next due time in
+    the past with nothing pointing at them. A ``scheduled`` record due two minutes ago
+    whose message is gone (what such a loss leaves) is counted and named; one due in an
+    hour is not."""
+    await relays.start(settings)
+    await scheduler.schedule(b"x", delay=3600, routing_key=unique("nowhere"))
+    now = now_us()
+    gone = JournalRecord(
+        SCHEDULED, unique("gone"), now, now - 180_000_000, now - 120_000_000,
+        "", unique("nowhere"), 1, origin="schedule",
+    )  # fmt: skip
+    connection = await open_connection(broker_url)
+    try:
+        publisher = Publisher(connection)
+        writer = JournalWriter(publisher, hopsched.Topology.from_settings(settings).journal_stream,
+                               lambda n, ok: None)  # fmt: skip
+        assert await writer.write([gone], 30) == ([], "")
+        await publisher.close()
+    finally:
+        await connection.close()
+
+    status, out, err = await hopsched_cli("status", "--json", settings=settings)
+    pending = json.loads(out)["pending"]
+    assert (pending["count"], pending["overdue"]) == (2, 1), (out, err)
+    status, out, err = await hopsched_cli("status", settings=settings)
+    assert status == 0, err  # a hint, not a finding: the message may have been delivered
+    assert "1 of them over 60 s past their due time while a relay runs" in out, out
+    assert "lost from the ladder (a queue deleted)" in out
