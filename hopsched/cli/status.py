@@ -246,12 +246,13 @@ async def _journal(settings: Settings, declared: bool) -> Pending | str:
         return f"not read: {error}"
     count, next_due, overdue = 0, None, 0
     long_ago = now_us() - LONG_OVERDUE_US
-    for schedule_id in fold.pending():  # in due order
-        due = fold.due_us(schedule_id)
-        if not count:
-            next_due = due
-        if due is not None and due < long_ago:
-            overdue += 1
+    for schedule_id in fold.pending():  # in due order: the overdue come first
+        if count == overdue:  # no due time looked up past them
+            due = fold.due_us(schedule_id)
+            if not count:
+                next_due = due
+            if due is not None and due < long_ago:
+                overdue += 1
         count += 1
     return Pending(count, next_due, overdue)
 
