@@ -63,7 +63,7 @@ from hopsched.broker.policies import (
 )
 from hopsched.connect import connect
 from hopsched.core.envelope import BROKER_DELIVERY_COUNT_HEADER
-from hopsched.errors import BrokerUnavailableError, HopschedError, ManagementAPIError
+from hopsched.errors import HopschedError, ManagementAPIError
 from hopsched.settings import Settings
 from hopsched.topology import Topology
 
@@ -461,13 +461,19 @@ class PolicyWatch:
             log.warning("could not keep queue %s in use (%s); trying again", name, error)
 
     async def _open_channel(self) -> aio_pika.abc.AbstractChannel:
-        if self._connection is None or self._connection.is_closed:
-            try:
-                self._connection = await connect(self.settings, name="hopsched-policy-watch")
-            except BrokerUnavailableError:
-                self._connection = None
-                raise
-            self._channel = None
+        # A connection the broker dropped is not ``is_closed`` to aio-pika (only one it
+        # closed itself is): its ``connected`` is cleared, and a channel() on it raises
+        # RuntimeError (a relay whose node was stopped logged that every 2 s).
+        if (
+            self._connection is None
+            or self._connection.is_closed
+            or not self._connection.connected.is_set()
+        ):
+            lost, self._connection, self._channel = self._connection, None, None
+            if lost is not None and not lost.is_closed:  # its reader and callbacks too
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(lost.close(), CLOSE_TIMEOUT_S)
+            self._connection = await connect(self.settings, name="hopsched-policy-watch")
         if self._channel is None or self._channel.is_closed:
             self._channel = await self._connection.channel()
         return self._channel

@@ -16,12 +16,12 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
 import pytest
 from support import BROKER_URL, Relays, Targets, hopsched_cli, message_count, settings_env
 from support.private_nodes import PrivateBroker
+from support.proxy import BrokerProxy
 
 import hopsched
 from hopsched.broker.objects import declare_topology
@@ -231,40 +231,17 @@ async def test_a_reschedule_more_than_a_minute_past_is_said(settings: hopsched.S
 # --- Ctrl-C while the publish is in flight ----------------------------------------------
 
 
-class ConfirmWithholdingProxy:
+class ConfirmWithholdingProxy(BrokerProxy):
     """A TCP proxy to the broker that, once a client has sent ``marker`` (a message body),
     passes nothing more from the broker to any client: the publish reached the broker,
     its confirm never comes back."""
 
     def __init__(self, broker_url: str, marker: bytes) -> None:
-        parts = urlsplit(broker_url)
-        self.broker = (parts.hostname or "127.0.0.1", parts.port or 5672)
+        super().__init__(broker_url)
         self.marker = marker
         self.withholding = asyncio.Event()
-        self.tasks: set[asyncio.Task[None]] = set()
 
-    async def __aenter__(self) -> str:
-        """Listen; the URL to give the client (the broker's, through the proxy)."""
-        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-        parts = urlsplit(BROKER_URL)
-        netloc = parts.netloc.rpartition("@")[0] + f"@127.0.0.1:{port}"
-        return urlunsplit(parts._replace(netloc=netloc))
-
-    async def __aexit__(self, *_: object) -> None:
-        self.server.close()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.server.wait_closed()
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        broker_reader, broker_writer = await asyncio.open_connection(*self.broker)
-        for pump in (self._up(reader, broker_writer), self._down(broker_reader, writer)):
-            task = asyncio.create_task(pump)
-            self.tasks.add(task)
-
-    async def _up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         seen = b""
         with contextlib.closing(writer):
             while data := await reader.read(65536):
@@ -274,7 +251,7 @@ class ConfirmWithholdingProxy:
                 if self.marker in seen:
                     self.withholding.set()
 
-    async def _down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.closing(writer):
             while data := await reader.read(65536):
                 if self.withholding.is_set():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import json
 import logging
@@ -21,6 +22,7 @@ import aio_pika
 import pytest
 from pamqp import commands
 from support import Cleanup, Relays, hopsched_cli, until
+from support.proxy import BrokerProxy
 
 import hopsched
 from hopsched.amqp import channel as amqp_channel
@@ -140,6 +142,36 @@ async def test_without_a_broker_the_watch_tries_a_queue_a_round_and_says_so_once
     (line,) = [r.getMessage() for r in caplog.records if r.name == "hopsched.policies"]
     assert line.startswith("could not keep queue w.step.16 in use (")
     assert watch._touched == {}  # all due again once the broker is back
+
+
+async def test_a_touch_connection_the_broker_dropped_is_opened_again_without_an_error(
+    settings: hopsched.Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aio-pika calls a connection the broker dropped neither closed nor usable: a
+    channel() on it raised RuntimeError, which a relay whose node stopped logged with its
+    traceback every 2 s (seen by hand). The next round opens a new one and uses them all."""
+    await declare_topology(settings)
+    proxy = BrokerProxy(settings.url)
+    async with proxy as url:
+        now = [0.0]
+        through = dataclasses.replace(settings, url=url, management_url=CLOSED)
+        watch = PolicyWatch(through, hopsched.RelayStats(), clock=lambda: now[0])
+        try:
+            await watch.check()
+            await watch.keep_in_use()
+            assert set(watch._touched.values()) == {0.0}
+            connection = watch._connection
+            assert connection is not None
+            await proxy.cut()
+            await until(lambda: not connection.connected.is_set(), 10)
+            caplog.clear()
+            now[0] = UNCHECKED_TOUCH_INTERVAL_S
+            assert await watch.keep_in_use() == UNCHECKED_TOUCH_INTERVAL_S
+            assert set(watch._touched.values()) == {now[0]}  # every queue, used again
+            said = [r for r in caplog.records if r.name.startswith("hopsched")]
+            assert not [r for r in said if r.levelno >= logging.WARNING], caplog.text
+        finally:
+            await watch._close()
 
 
 async def test_the_commands_without_the_management_api(settings: hopsched.Settings) -> None:
