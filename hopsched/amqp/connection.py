@@ -608,6 +608,11 @@ class Connection(asyncio.BufferedProtocol):
             self.abort()
             with contextlib.suppress(BaseException):
                 await asyncio.sleep(0)  # abort() closes the socket in a callback queued now
+        except BaseException:
+            # Cancelled while waiting (a task stopped in its ``finally``, a test's loop
+            # ending): drop it, or its socket is left open to the garbage collector.
+            self.abort()
+            raise
 
 
 def _client_properties(name: str) -> dict[str, Any]:

@@ -231,6 +231,25 @@ async def test_a_failed_tls_connect_leaves_no_socket_open(
     assert sockets_to(port) == []
 
 
+async def test_a_close_cancelled_while_it_waits_for_close_ok_drops_the_socket(
+    broker_url: str,
+) -> None:
+    """A task cancelled in the ``finally`` that closes its connection (a relay's stop
+    cancelling its watches, a loop ending) left the socket open: the garbage collector
+    found it later (a ResourceWarning failing another test's setup)."""
+    connection = await open_connection(broker_url)
+    closing = asyncio.ensure_future(connection.close())
+    await asyncio.sleep(0)  # connection.close sent; its close-ok not read yet
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await asyncio.sleep(0)  # abort() closes the socket in a callback queued by then
+    assert connection._transport is not None
+    assert connection._transport.is_closing()
+    async with asyncio.timeout(5):
+        await connection._lost  # the socket is closed: connection_lost ran
+
+
 # --- channels and confirms ----------------------------------------------------------------
 
 
