@@ -308,10 +308,10 @@ class Envelope:
         values: dict[str, Any] = {}
         for name, kind, required, attribute in _ENVELOPE_FIELDS:  # one pass: read every hop
             value = get(name)
-            if type(value) is not kind:  # (None, a bool for an int, or wrong)
-                value = _field(headers, name, kind, required=required)
-            if value is not None:
+            if type(value) is kind:
                 values[attribute] = value
+            elif value is not None or required:  # a subclass, a bool for an int, wrong, missing
+                values[attribute] = _field(headers, name, kind, required=required)
         envelope = cls(**values)
         if named := _feature_names(_field(headers, HEADER_FEATURES, str, required=False)):
             envelope = replace(envelope, features=named - envelope.required_features)
