@@ -20,7 +20,8 @@ import asyncio
 import logging
 import random
 import ssl
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import aio_pika
 import aiormq
@@ -35,6 +36,7 @@ __all__ = [
     "RECONNECT_FIRST_S",
     "RECONNECT_MAX_S",
     "Connector",
+    "RetryLog",
     "connect",
     "node_of",
     "unreachable",
@@ -48,6 +50,46 @@ CONNECT_TIMEOUT_S = 10.0
 # broker is back, so a 30 s cap made them up to 30 s late (F09); an attempt is one refused
 # TCP connect, cheap for any number of relays.
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.5, 5.0
+
+
+class RetryLog:
+    """When to log a failure retried with back-off (a broker away): each of the first
+    ``first`` in a row, then once per ``interval_s``; ``reset()`` once it works again.
+    A relay that logged each reconnect attempt wrote two lines every 5 s for as long as
+    its broker was away (720 an hour).
+
+    ``say()`` at each failure: whether to log this one, and the text to add to it.
+    """
+
+    def __init__(
+        self,
+        interval_s: float,
+        *,
+        first: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval_s = interval_s
+        self.first = first
+        self.clock = clock
+        self.failures = 0
+        self._said_at = -float("inf")
+
+    def say(self) -> tuple[bool, str]:
+        self.failures += 1
+        now = self.clock()
+        if self.failures < self.first:
+            return True, ""
+        if self.failures == self.first:
+            self._said_at = now
+            return True, f" (from now on said once every {self.interval_s:g} s)"
+        if now - self._said_at >= self.interval_s:
+            self._said_at = now
+            return True, ""
+        return False, ""
+
+    def reset(self) -> None:
+        self.failures = 0
+        self._said_at = -float("inf")
 
 
 class Connector:
@@ -108,21 +150,27 @@ class Connector:
         ``RECONNECT_FIRST_S`` doubling to ``RECONNECT_MAX_S``.
         """
         yield await self.connect()
-        delay, failures = RECONNECT_FIRST_S, 0
+        delay, retries = RECONNECT_FIRST_S, RetryLog(self.settings.log_interval_s)
         while True:
             try:
                 connection = await self.connect()
             except BrokerUnavailableError as error:
-                failures += 1
-                log.warning(
-                    "reconnect attempt %d failed: %s; next in %.1f s", failures, error, delay
-                )
+                said, more = retries.say()
+                if said:
+                    log.warning(
+                        "reconnect attempt %d failed: %s; next in %.1f s%s",
+                        retries.failures,
+                        error,
+                        delay,
+                        more,
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
-            if failures:
-                log.info("reconnected to %s after %d failed round(s)", self.node, failures)
-            delay, failures = RECONNECT_FIRST_S, 0
+            if retries.failures:
+                log.info("reconnected to %s after %d failed round(s)", self.node, retries.failures)
+            delay = RECONNECT_FIRST_S
+            retries.reset()
             yield connection
 
 

@@ -43,7 +43,7 @@ from pamqp import commands
 from hopsched import amqp
 from hopsched.amqp.acks import Acker
 from hopsched.amqp.publisher import Publisher
-from hopsched.connect import Connector
+from hopsched.connect import Connector, RetryLog
 from hopsched.core.ladder import US_PER_MS
 from hopsched.errors import (
     BrokerConnectionLost,
@@ -204,14 +204,23 @@ class LookupServer:
 
     async def run(self) -> None:
         delay = _RETRY_FIRST_S
+        retries = RetryLog(self.settings.log_interval_s)
         while True:
             try:
                 connection = await self.connector.connect()
             except HopschedError as error:
-                log.warning("look-ups: cannot connect (%s); trying again in %.1f s", error, delay)
+                said, more = retries.say()
+                if said:
+                    log.warning(
+                        "look-ups: cannot connect (%s); trying again in %.1f s%s",
+                        error,
+                        delay,
+                        more,
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
                 continue
+            retries.reset()
             session = self._session = _Session(self, connection)
             self.readings += 1
             try:
