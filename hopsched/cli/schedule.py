@@ -303,7 +303,10 @@ def cancel(
             click.echo(
                 f"{result.schedule_id}: nothing pending to cancel: "
                 f"{_not_pending(result.schedule_id, info)}; the cancel is recorded all the same, "
-                "for a message of this id scheduled before now that the journal does not show yet"
+                "for a message of this id scheduled before now that the journal does not show "
+                f"yet (not one published with x-delay still waiting in {settings.prefix}.ingress "
+                "for a relay to take it in: that one is scheduled only then, after this cancel; "
+                "`hopsched status` shows such messages)"
             )
         elif info.state == CANCELLED and (info.cancelled_us or 0) < started_us:
             when = us_to_datetime(info.cancelled_us or 0).isoformat()

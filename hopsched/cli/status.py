@@ -183,6 +183,15 @@ def _status_problems(
             f"{waiting} message(s) wait on the ladder and no relay consumes "
             f"{topology.relay_queue}: start one (hopsched relay --prefix {settings.prefix})"
         )
+    ingress = depths.get(topology.ingress_queue)
+    if ingress is not None and not ingress.consumers and ingress.messages:
+        problems.append(
+            f"{ingress.messages} message(s) published with x-delay wait in "
+            f"{topology.ingress_queue} and no relay consumes it: none of them is scheduled "
+            "(nor known to get(), pending() or cancel) until one takes it in, and the delay "
+            "of each counts from then unless the broker stamps its receipt (RabbitMQ >= "
+            f"3.12, docs/ingress.md): start one (hopsched relay --prefix {settings.prefix})"
+        )
     return problems
 
 

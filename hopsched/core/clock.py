@@ -28,6 +28,12 @@ def timedelta_to_us(value: timedelta) -> int:
     return value // _US
 
 
+_MIN_US = (datetime.min.replace(tzinfo=UTC) - _EPOCH) // _US
+
+
 def us_to_datetime(value_us: int) -> datetime:
-    """Microseconds since the epoch as an aware UTC datetime."""
-    return _EPOCH + timedelta(microseconds=value_us)
+    """Microseconds since the epoch as an aware UTC datetime; one beyond what a datetime
+    can name (years 1 to 9999) as its bound, not an ``OverflowError``: a header or a
+    journal record another client wrote can say anything, and one such value made every
+    listing command fail (a new-user trial's ``x-delay`` of 10^15 ms)."""
+    return _EPOCH + timedelta(microseconds=min(max(value_us, _MIN_US), MAX_DUE_US))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hopsched.amqp import Properties
+from hopsched.core.clock import MAX_DUE_US
 from hopsched.core.envelope import (
     HEADER_EXCHANGE,
     HEADER_ID,
@@ -71,6 +72,7 @@ _EXCHANGE = re.compile(r"[A-Za-z0-9_.:-]{1,255}")
 #: The schedule id of a message without ``message_id``: this, then a random hex id.
 GENERATED_ID_PREFIX = "ingress-"
 US_PER_MS = 1000
+MS_PER_YEAR = 365.25 * 86_400_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +236,13 @@ def ingest(
     start_us = (stamp_ms + 1) * US_PER_MS if stamp_ms is not None else received_us
     if len(schedule_id.encode()) > 255:
         return refused("message_id is over 255 bytes: it cannot be its schedule id")
+    if start_us + delay * US_PER_MS > MAX_DUE_US:
+        return refused(
+            f"header {DELAY_HEADER!r} is {delay} ms ({delay / MS_PER_YEAR:.3g} years): that "
+            "puts its due time after the year 9999, the latest hopsched keeps (the "
+            "delayed-message plugin would have delivered it at once, as any delay over "
+            "2^32-1 ms)"
+        )
     envelope = Envelope(
         schedule_id=schedule_id,
         due_us=start_us + delay * US_PER_MS,

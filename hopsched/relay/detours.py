@@ -316,9 +316,16 @@ class Parking:
             "dead-letter into %s",
             schedule_id(delivery),
             reason,
-            self.topology.relay_queue,
+            self._queue_of(delivery),
             self.topology.parked_queue,
         )
+
+    def _queue_of(self, delivery: amqp.Delivery) -> str:
+        """The queue ``delivery`` came from: published to an ingress exchange, the ingress
+        queue; else (a hop's expiry, the default exchange) the relay queue."""
+        if delivery.exchange in ("", self.topology.expired_exchange):
+            return self.topology.relay_queue
+        return self.topology.ingress_queue
 
 
 class Retries:

@@ -25,6 +25,7 @@ from support import (
 import hopsched
 from hopsched.amqp import Properties, Table
 from hopsched.broker.ingress import bind_to_due_exchange, declare_ingress, list_ingresses
+from hopsched.broker.objects import declare
 from hopsched.core.decide import ParkKind
 from hopsched.core.envelope import HEADER_CREATED, HEADER_DUE, HEADER_ID, Envelope
 from hopsched.core.ingress import (
@@ -82,6 +83,16 @@ def test_x_delay_reads_as_the_plugin_delivers_it(value: Any, delivered: Any) -> 
     assert isinstance(ingested, Ingested)
     assert ingested.properties.headers is not None
     assert ingested.properties.headers[DELAY_HEADER] == delivered
+
+
+@pytest.mark.parametrize("value", [10**15, "99999999999999999999", 2**63 - 1])
+def test_an_x_delay_past_the_year_9999_is_refused_naming_it(value: Any) -> None:
+    """The plugin would deliver it at once; hopsched cannot keep its due time."""
+    refused = _ingest({DELAY_HEADER: value}, message_id="far")
+    assert isinstance(refused, NotIngested)
+    assert "puts its due time after the year 9999" in refused.reason
+    assert f"is {int(value)} ms" in refused.reason
+    refused.properties.encode()  # parked as it came: its header unchanged
 
 
 def _ingest(headers: dict[str, Any] | None = None, **properties: Any) -> Ingested | NotIngested:
@@ -479,3 +490,61 @@ async def test_an_ingress_message_that_cannot_be_scheduled_is_parked_named_and_r
     [again] = json.loads(out)
     assert again["schedule_id"] == "bad-soon"
     assert "'x-delay' is 'soon'" in again["reason"]
+
+
+async def test_an_x_delay_past_the_year_9999_is_parked_saying_so_and_every_listing_works(
+    settings: hopsched.Settings,
+    relay: hopsched.Relay,
+    cleanup: Cleanup,
+    amqp: aio_pika.abc.AbstractConnection,
+) -> None:
+    """Found by a new-user trial: x-delay 10^15 ms was recorded pending with a due time
+    no datetime can name, and status, pending, parked list, get and cancel then failed
+    with OverflowError for the whole prefix; a numeric string past 64 bits failed the
+    relay on that delivery (a traceback, and parked with no id)."""
+    exchange = f"{settings.prefix}-orders"
+    cleanup.exchanges.update({exchange, f"{settings.prefix}.due.{exchange}"})
+    await declare_ingress(settings, Ingress(exchange, "direct"))
+    channel = await amqp.channel(publisher_confirms=True)
+    entry = await channel.get_exchange(exchange)
+    for schedule_id, delay in (("big-int", 10**15), ("big-str", "99999999999999999999")):
+        message = aio_pika.Message(b"x", headers={DELAY_HEADER: delay}, message_id=schedule_id)
+        await entry.publish(message, "created")
+    await until(lambda: relay.stats.parked_by_kind[ParkKind.MALFORMED] == 2, within=10)
+    topology = hopsched.Topology.from_settings(settings)
+    await wait_until_count(amqp, topology.parked_queue, 2, within=10)
+
+    status, out, err = await hopsched_cli("parked", "list", "--json", settings=settings)
+    assert status == 0, err
+    parked = {entry["schedule_id"]: entry["reason"] for entry in json.loads(out)}
+    assert parked.keys() == {"big-int", "big-str"}
+    for reason in parked.values():
+        assert "puts its due time after the year 9999" in reason, reason
+    for command in (["status"], ["pending"], ["parked", "list"], ["get", "big-int"]):
+        status, out, err = await hopsched_cli(*command, settings=settings)
+        assert "Traceback" not in err, (command, err)
+        assert status in (0, 3), (command, out, err)  # 3: get's unknown id
+    assert relay.stats.rejected == 0  # parked by the relay, not handed back
+
+
+async def test_status_exits_1_when_x_delay_messages_wait_in_the_ingress_with_no_relay(
+    settings: hopsched.Settings, cleanup: Cleanup, amqp: aio_pika.abc.AbstractConnection
+) -> None:
+    """Found by a new-user trial: with the relays stopped and messages waiting in the
+    ingress queue, status said pending: 0 and exited 0."""
+    topology = hopsched.Topology.from_settings(settings)
+    await declare(topology, amqp)
+    exchange = f"{settings.prefix}-orders"
+    cleanup.exchanges.update({exchange, f"{settings.prefix}.due.{exchange}"})
+    await declare_ingress(settings, Ingress(exchange, "fanout"))
+    channel = await amqp.channel(publisher_confirms=True)
+    entry = await channel.get_exchange(exchange)
+    for index in range(3):
+        await entry.publish(aio_pika.Message(b"x", headers={DELAY_HEADER: 1000}), f"k{index}")
+    await wait_until_count(amqp, topology.ingress_queue, 3, within=10)
+
+    status, out, err = await hopsched_cli("status", settings=settings)
+
+    assert status == 1, (out, err)
+    assert f"3 message(s) published with x-delay wait in {topology.ingress_queue}" in err
+    assert "no relay consumes it" in err

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hopsched.client.prepare import due_time_us
-from hopsched.core.clock import datetime_to_us
+from hopsched.core.clock import MAX_DUE_US, datetime_to_us, us_to_datetime
 from hopsched.core.ladder import Hold, Ladder
 from hopsched.errors import HopschedError, InvalidScheduleError
 
@@ -325,3 +325,11 @@ def test_an_at_in_the_past_keeps_its_instant() -> None:
 def test_a_float_delay_is_its_shortest_decimal_in_microseconds_rounded_up(delay: float) -> None:
     """The fast path for whole-µs floats gives what the exact Decimal path gives."""
     assert due_time_us(None, delay, 0) == math.ceil(Decimal(repr(delay)) * 1_000_000)
+
+
+@given(st.integers(min_value=-(10**30), max_value=10**30))
+def test_any_microsecond_count_reads_as_a_datetime_within_its_bounds(value_us: int) -> None:
+    """A header or journal record can say anything: shown at the bound, never raised."""
+    earliest = datetime_to_us(datetime.min.replace(tzinfo=UTC))
+    shown = datetime_to_us(us_to_datetime(value_us))
+    assert shown == min(max(value_us, earliest), MAX_DUE_US)
