@@ -110,10 +110,12 @@ NOTICED = frozenset({ParkKind.INTERNAL_TARGET, ParkKind.UNSIGNED, ParkKind.BAD_S
 @dataclass(frozen=True, slots=True)
 class Park:
     """Move the message to ``{prefix}.parked`` with ``reason``; ``kind`` classes the
-    cause for counting."""
+    cause for counting; ``recorded_as``: what the journal records it as when its headers
+    hold no envelope (an ingress message that could not be scheduled, known by its id)."""
 
     reason: str
     kind: ParkKind
+    recorded_as: Envelope | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,6 +182,9 @@ class NotIngested:
 
     reason: str
     properties: Properties
+    #: what the journal records it as once parked, so that get() knows its id: due at
+    #: its receipt (the plugin would have delivered it at once); None without an id
+    envelope: Envelope | None = None
 
 
 def ingest(
@@ -215,10 +218,19 @@ def ingest(
     def refused(reason: str) -> NotIngested:
         named = {HEADER_ROUTING_KEY: routing_key, HEADER_INGRESS: exchange}
         named[HEADER_EXCHANGE] = due_exchange(prefix, exchange) if exchange else ""
+        envelope = None
         if len(schedule_id.encode()) <= 255:
             named[HEADER_ID] = schedule_id
+            start_us = received_us
+            envelope = Envelope(
+                schedule_id=schedule_id,
+                due_us=start_us,
+                exchange=named[HEADER_EXCHANGE],
+                routing_key=routing_key,
+                created_us=start_us,
+            )
         headers = callers_headers(properties.headers).update(named)
-        return NotIngested(reason, properties.replace(headers=headers))
+        return NotIngested(reason, properties.replace(headers=headers), envelope)
 
     if exchange == "":
         return refused(

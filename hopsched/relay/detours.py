@@ -289,7 +289,7 @@ class Parking:
 
         headers = delivery.properties.headers if delivery.properties is not None else None
         try:  # one without a readable envelope has no id to find in the journal
-            envelope = Envelope.from_headers(headers)
+            envelope = park.recorded_as or Envelope.from_headers(headers)
         except EnvelopeError:
             recorded()
         else:

@@ -803,7 +803,8 @@ class _Session:
         )
         if isinstance(ingested, NotIngested):
             delivery.properties = ingested.properties  # names it in parking
-            self.parking.park(delivery, Park(ingested.reason, ParkKind.MALFORMED))
+            park = Park(ingested.reason, ParkKind.MALFORMED, recorded_as=ingested.envelope)
+            self.parking.park(delivery, park)
             return
         if not ingested.stamped and not self.stats.ingested_unstamped:
             log.info(
