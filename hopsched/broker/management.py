@@ -73,8 +73,9 @@ def api_request(
     settings: Settings, base: str, path: str, method: str = "GET", body: Any = None
 ) -> Any:
     """``method`` ``{base}api/{path}`` (``body`` as JSON), logged in with the user and
-    password of ``settings``' first URL; the decoded JSON answer, None for none
-    (blocking: run it in a thread).
+    password ``base`` carries (``http://USER:PASSWORD@HOST:15672/``), else those of
+    ``settings``' first URL; the decoded JSON answer, None for none (blocking: run it in
+    a thread). A ``base`` that ends in ``/api/`` is taken as the API's own URL.
 
     Raises:
         OSError: the API cannot be reached or answers an error (``urllib.error.HTTPError``).
@@ -82,8 +83,13 @@ def api_request(
     """
     parts = urlsplit(settings.urls[0])
     user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
+    given = urlsplit(base)
+    if given.username is not None:  # a login of its own: urllib would take it for the host
+        user, password = unquote(given.username), unquote(given.password or "")
+        given = given._replace(netloc=given.netloc.rpartition("@")[2])
+    root = given.geturl().rstrip("/").removesuffix("/api")  # the API's own URL given
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{base.rstrip('/')}/api/{path}", data=data, method=method)
+    request = urllib.request.Request(f"{root}/api/{path}", data=data, method=method)
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
     request.add_header("Authorization", f"Basic {token}")
     if data is not None:
@@ -200,7 +206,8 @@ class ManagementClient:
                 continue
             except urllib.error.HTTPError as error:
                 status = error.code
-                problems.append(f"{mask_url(base)}: {why(error, self.settings.login)}")
+                login = unquote(urlsplit(base).username or "") or self.settings.login
+                problems.append(f"{mask_url(base)}: {why(error, login)}")
                 if error.code in (401, 403, 404):
                     break  # every node of the cluster would say the same
                 continue

@@ -8,6 +8,7 @@ faults/test_policies.py (slow).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import http.server
@@ -206,8 +207,10 @@ class _Fake(http.server.BaseHTTPRequestHandler):
     """A management API that answers ``answers[path]`` (status, JSON)."""
 
     answers: ClassVar[dict[str, tuple[int, Any]]] = {}
+    logins: ClassVar[list[str]] = []  # each request's Authorization header
 
     def do_GET(self) -> None:
+        self.logins.append(self.headers.get("Authorization", ""))
         status, body = self.answers.get(self.path.split("?")[0], (404, {"error": "not found"}))
         data = json.dumps(body).encode()
         self.send_response(status)
@@ -222,7 +225,7 @@ class _Fake(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_api() -> Iterator[tuple[str, type[_Fake]]]:
-    handler = type("Handler", (_Fake,), {"answers": {}})
+    handler = type("Handler", (_Fake,), {"answers": {}, "logins": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -267,6 +270,29 @@ async def test_a_refused_login_names_the_tag_to_grant(fake_api: tuple[str, type[
     assert "user 'sched' needs the tag management to read, policymaker to set policies" in text
     assert "rabbitmqctl set_user_tags sched management policymaker" in text
     assert "secret" not in text
+
+
+async def test_a_management_url_with_a_login_and_the_api_path_is_used_as_given(
+    fake_api: tuple[str, type[_Fake]],
+) -> None:
+    """A new-user trial: http://USER:PASSWORD@HOST:PORT/ failed with "Name or service not
+    known" (urllib took the login for the host), and .../api/ with HTTP 400."""
+    address, handler = fake_api
+    handler.answers["/api/queues/%2F"] = (200, [])
+    settings = hopsched.Settings(
+        url="amqp://sched:secret@127.0.0.1:5702/",
+        management_url=f"http://monitor:m%40pw@{address}/api/",
+    )
+
+    assert await ManagementClient(settings).get("queues/%2F") == []
+
+    assert handler.logins == ["Basic " + base64.b64encode(b"monitor:m@pw").decode()]
+    handler.answers["/api/queues/%2F"] = (401, {"error": "not_authorised"})
+    with pytest.raises(ManagementAPIError) as raised:
+        await ManagementClient(settings).get("queues/%2F")
+    assert "user 'monitor' needs the tag management" in str(raised.value)
+    assert "m@pw" not in str(raised.value)
+    assert "m%40pw" not in str(raised.value)
 
 
 def test_the_management_urls_come_from_the_setting_or_the_node_hosts() -> None:
