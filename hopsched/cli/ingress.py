@@ -100,8 +100,13 @@ def ingress_declare(
         f"{exchange} (x-delay in ms); each is due x-delay after the broker's receipt stamp "
         "(RabbitMQ >= 3.12 with the timestamp interceptor), else after a relay takes it in, "
         f"and then goes to exchange {topology.due_exchange(exchange)} ({delayed_type}): bind "
-        f"the consumers' queues there (hopsched ingress bind {exchange} QUEUE --key KEY)"
+        f"the consumers' queues there (hopsched ingress bind {exchange} QUEUE"
+        f"{_BIND_HINTS.get(delayed_type, '')})"
     )
+
+
+#: What ``ingress bind`` takes besides the queue, by the due exchange's type.
+_BIND_HINTS = {"direct": " --key KEY", "topic": " --key PATTERN", "headers": " --argument K=V"}
 
 
 @ingress.command("bind")

@@ -104,9 +104,15 @@ class Ingress:
                 "'.' or ':', not starting with 'amq.' (the name your producers publish to)"
             )
         if self.delayed_type not in DELAYED_TYPES:
+            plugins = (
+                ": give the x-delayed-type argument of the plugin's exchange (how it routed), "
+                "not its type x-delayed-message"
+                if str(self.delayed_type) == "x-delayed-message"  # a str at run time
+                else ""
+            )
             raise InvalidSettingsError(
                 f"ingress {self.exchange!r}: x-delayed-type {self.delayed_type!r} is not one "
-                f"of {', '.join(DELAYED_TYPES)}"
+                f"of {', '.join(DELAYED_TYPES)}{plugins}"
             )
 
     def due_exchange(self, prefix: str) -> str:

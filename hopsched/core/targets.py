@@ -96,7 +96,8 @@ class TargetPolicy:
             f"target exchange {exchange!r} routing key {routing_key!r} is inside hopsched's own "
             f"namespace {own}* (its step, relay and parking queues, cancel stream and "
             "exchange): hopsched never delivers there. Give a target of your own; to cancel "
-            "or reschedule, use Scheduler.cancel() or reschedule()"
+            "or reschedule, use Scheduler.cancel() or reschedule() (hopsched cancel, hopsched "
+            "reschedule)"
         )
 
     def refusal(self, exchange: str, routing_key: str) -> str | None:

@@ -769,7 +769,11 @@ class _Session:
                 for tag in tags:
                     await channel.cancel(tag)
                 if len(self.acker):
-                    log.info("finishing %d in-flight deliveries", len(self.acker))
+                    log.info(
+                        "finishing %d unacked deliveries (held until due within the "
+                        "shutdown timeout, or being published)",
+                        len(self.acker),
+                    )
                 await self.acker.settled()
                 await self.journal.settled()
         self.acker.flush()

@@ -474,7 +474,7 @@ async def test_sigterm_under_load_exits_0_promptly_and_loses_nothing(
     await target.wait_for_ids(scheduled.due_us, within=60)
     await target.settle(2.0)
     outcome = Outcome(scheduled, target.received, restarts=1)
-    finishing = re.search(r"finishing (\d+) in-flight deliveries", relay.log)
+    finishing = re.search(r"finishing (\d+) unacked deliveries", relay.log)
     held = int(finishing.group(1)) if finishing else 0
     outcome.extra |= {"held_at_sigterm": held, "exit_s": f"{exit_s:.2f}"}
     outcome.extra["delivered_before_restart"] = delivered_by_first
