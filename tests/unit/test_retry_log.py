@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hopsched.connect import RetryLog
@@ -25,6 +25,7 @@ def said_times(log: RetryLog, now: list[float], gaps_s: list[float]) -> list[tup
 
 
 @given(gaps, st.integers(min_value=1, max_value=10), st.floats(min_value=1.0, max_value=120.0))
+@example([5.0, 30.0, 30.0, 1.4354070663559417], 1, 1.4354070663559417)  # float rounding
 def test_the_first_are_said_then_one_per_interval_and_never_longer_silent(
     gaps_s: list[float], first: int, interval_s: float
 ) -> None:
