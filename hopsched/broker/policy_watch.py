@@ -201,7 +201,15 @@ async def warn_on_risk(
     ``interval_s``, pass it to ``on_report``, and log a WARNING for each finding that can
     lose or stall messages. Quiet without the management API (the relays say so)."""
     while True:
-        checked = await check_policies(settings)
+        try:
+            checked = await check_policies(settings)
+        except RuntimeError as error:
+            # No thread takes the API read: the process is exiting (concurrent.futures
+            # refuses new work once its exit hook ran, before atexit), while a
+            # SyncScheduler's loop thread lives on; a short-lived Celery producer printed
+            # this as "Task exception was never retrieved" one run in five.
+            log.debug("policy check ended: %s", error)
+            return
         if checked.report is not None:
             if on_report is not None:
                 on_report(checked.report)

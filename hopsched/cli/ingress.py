@@ -95,6 +95,8 @@ def ingress_declare(
     pairs = tuple((queue, key) for queue, _, key in (item.partition(":") for item in bindings))
     run(declare_ingress(settings, declared, bindings=pairs, replace=replace), settings)
     topology = Topology.from_settings(settings)
+    for queue, key in pairs:
+        click.echo(f"bound queue {queue} to {topology.due_exchange(exchange)} (key {key!r})")
     click.echo(
         f"ingress {exchange} on {settings.masked_url}: producers publish to exchange "
         f"{exchange} (x-delay in ms); each is due x-delay after the broker's receipt stamp "

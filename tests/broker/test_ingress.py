@@ -343,7 +343,10 @@ async def test_the_cli_replaces_an_exchange_of_that_name_with_the_consumers_boun
         "--bind", f"{target.name}:created", settings=settings,
     )  # fmt: skip
     assert status == 0, err
-    assert f"{settings.prefix}.due.{exchange}" in out
+    assert out.startswith(
+        f"bound queue {target.name} to {settings.prefix}.due.{exchange} (key 'created')\n"
+    )  # a trial: nothing said the --bind was done, and the hint said to bind again
+    assert "(hopsched ingress bind" in out
     status, out, err = await hopsched_cli("ingress", "list", settings=settings)
     assert (status, out) == (0, f"{exchange} (direct) -> {settings.prefix}.due.{exchange}\n")
     published = time.time()

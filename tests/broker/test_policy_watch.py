@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import dataclasses
 import http.server
@@ -32,7 +33,7 @@ from hopsched.broker import idle_consumers
 from hopsched.broker.idle_consumers import IdleConsumers, takes_credit
 from hopsched.broker.management import ManagementClient, management_urls
 from hopsched.broker.objects import declare_topology
-from hopsched.broker.policy_watch import UNCHECKED_TOUCH_INTERVAL_S, PolicyWatch
+from hopsched.broker.policy_watch import UNCHECKED_TOUCH_INTERVAL_S, PolicyWatch, warn_on_risk
 from hopsched.connect import Connector
 from hopsched.errors import ManagementAPIError
 from hopsched.testing.localbroker import free_port
@@ -293,6 +294,27 @@ async def test_a_management_url_with_a_login_and_the_api_path_is_used_as_given(
     assert "user 'monitor' needs the tag management" in str(raised.value)
     assert "m@pw" not in str(raised.value)
     assert "m%40pw" not in str(raised.value)
+
+
+def test_a_producers_policy_check_ends_quietly_once_no_thread_takes_its_reads(
+    fake_api: tuple[str, type[_Fake]],
+) -> None:
+    """A new-user trial: a short-lived Celery producer printed "Task exception was never
+    retrieved ... RuntimeError: cannot schedule new futures after shutdown" one run in
+    five: at exit, concurrent.futures refuses new work while the SyncScheduler's loop
+    thread still runs the check. Here the loop's executor is shut down as at exit."""
+    address, handler = fake_api
+    handler.answers["/api/queues/%2F"] = (200, [])
+    settings = hopsched.Settings(management_url=f"http://{address}/")
+
+    async def exiting() -> None:
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        executor.shutdown()
+        asyncio.get_running_loop().set_default_executor(executor)
+        await asyncio.wait_for(warn_on_risk(settings), 5)  # returns: no RuntimeError
+
+    asyncio.run(exiting())  # a loop of its own: the shut executor goes with it
+    assert handler.logins == []  # no read was made
 
 
 def test_the_management_urls_come_from_the_setting_or_the_node_hosts() -> None:
