@@ -55,8 +55,8 @@ RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.5, 5.0
 class RetryLog:
     """When to log a failure retried with back-off (a broker away): each of the first
     ``first`` in a row, then once per ``interval_s``; ``reset()`` once it works again.
-    A relay that logged each reconnect attempt wrote two lines every 5 s for as long as
-    its broker was away (720 an hour).
+    A relay that logged each attempt wrote two lines every 5 s (its reconnects and its
+    look-ups', 720 an hour each) for as long as its broker was away.
 
     ``say()`` at each failure: whether to log this one, and the text to add to it.
     """

@@ -252,6 +252,12 @@ class Topology:
         exchange (``hopsched.core.ingress``), until a relay schedules it."""
         return f"{self.prefix}.ingress"
 
+    def via_ingress(self, exchange: str) -> bool:
+        """Whether a delivery to the relay published to ``exchange`` came through an
+        ingress exchange (so from ``ingress_queue``), not a hop's expiry or the default
+        exchange (``relay_queue``)."""
+        return exchange not in ("", self.expired_exchange)
+
     @property
     def ingress_registry(self) -> str:
         """``{prefix}.ingresses``: the stream of ingress declarations and removals."""

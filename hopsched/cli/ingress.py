@@ -43,6 +43,10 @@ def ingress() -> None:
     """
 
 
+#: What ``ingress bind`` takes besides the queue, by the due exchange's type.
+_BIND_HINTS = {"direct": " --key KEY", "topic": " --key PATTERN", "headers": " --argument K=V"}
+
+
 @ingress.command("declare")
 @connection_options
 @click.argument("exchange")
@@ -105,10 +109,6 @@ def ingress_declare(
         f"the consumers' queues there (hopsched ingress bind {exchange} QUEUE"
         f"{_BIND_HINTS.get(delayed_type, '')})"
     )
-
-
-#: What ``ingress bind`` takes besides the queue, by the due exchange's type.
-_BIND_HINTS = {"direct": " --key KEY", "topic": " --key PATTERN", "headers": " --argument K=V"}
 
 
 @ingress.command("bind")

@@ -227,13 +227,12 @@ def ingest(
         envelope = None
         if len(schedule_id.encode()) <= 255:
             named[HEADER_ID] = schedule_id
-            start_us = received_us
             envelope = Envelope(
                 schedule_id=schedule_id,
-                due_us=start_us,
+                due_us=received_us,
                 exchange=named[HEADER_EXCHANGE],
                 routing_key=routing_key,
-                created_us=start_us,
+                created_us=received_us,
             )
         headers = callers_headers(properties.headers).update(named)
         return NotIngested(reason, properties.replace(headers=headers), envelope)

@@ -311,21 +311,17 @@ class Parking:
         self.acker.rejected(delivery.delivery_tag)
         # its dead-lettered copy carries no reason: say it in the stream (parked list)
         self.notices.note_parked(self.publisher, schedule_id(delivery), "handed_back", reason)
+        topology = self.topology
+        via_ingress = topology.via_ingress(delivery.exchange)
+        came_from = topology.ingress_queue if via_ingress else topology.relay_queue
         log.error(
             "could not park a message (schedule id %s): %s; handed back to %s to "
             "dead-letter into %s",
             schedule_id(delivery),
             reason,
-            self._queue_of(delivery),
-            self.topology.parked_queue,
+            came_from,
+            topology.parked_queue,
         )
-
-    def _queue_of(self, delivery: amqp.Delivery) -> str:
-        """The queue ``delivery`` came from: published to an ingress exchange, the ingress
-        queue; else (a hop's expiry, the default exchange) the relay queue."""
-        if delivery.exchange in ("", self.topology.expired_exchange):
-            return self.topology.relay_queue
-        return self.topology.ingress_queue
 
 
 class Retries:

@@ -917,7 +917,7 @@ class _Session:
                 self.stats.unsigned += 1
             if isinstance(decision.plan, Hop):
                 self._hop(delivery, envelope, decision.plan.step_ms, nacks=nacks)
-            elif delivery.exchange not in ("", self.topology.expired_exchange):
+            elif self.topology.via_ingress(delivery.exchange):
                 self._enqueue(delivery, envelope)  # from an ingress exchange
             else:
                 self._final(delivery, envelope, now)
