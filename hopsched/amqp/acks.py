@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from hopsched import amqp
 
-__all__ = ["Acker"]
+__all__ = ["Acker", "Ackers"]
 
 
 class Acker:
@@ -91,6 +91,16 @@ class Acker:
         self._channel.nack(delivery_tag, requeue=False)
         self._sent.add(delivery_tag)
 
+    def dropped(self) -> None:
+        """Its channel closed: the broker gave back what was unacked; nothing is left to
+        settle (``settled()`` returns)."""
+        self._outstanding.clear()
+        self._finished.clear()
+        self._sent.clear()
+        self._deferred.clear()
+        self._done_deferred.clear()
+        self._settled.set()
+
     def flush(self) -> None:
         self._scheduled = False
         outstanding, finished, sent = self._outstanding, self._finished, self._sent
@@ -113,3 +123,64 @@ class Acker:
         finished.clear()
         if not len(self):
             self._settled.set()
+
+
+class Ackers:
+    """The ``Acker`` of each consumer channel a relay session reads, found by a
+    delivery's channel: a delivery from one consumer may be finished by a publish on
+    another connection (an ingress message's, ``hopsched.relay.ingress_consumer``).
+
+    A delivery whose channel was dropped (``discard``) is ignored: the broker gave it
+    back to its queue when the channel closed.
+    """
+
+    def __init__(self) -> None:
+        self._of: dict[amqp.Channel, Acker] = {}
+
+    def add(self, channel: amqp.Channel) -> Acker:
+        acker = self._of[channel] = Acker(channel)
+        return acker
+
+    def discard(self, channel: amqp.Channel) -> None:
+        """``channel`` closed: forget its deliveries (see above)."""
+        acker = self._of.pop(channel, None)
+        if acker is not None:
+            acker.dropped()
+
+    def __len__(self) -> int:
+        """Deliveries received and not yet settled, on every channel."""
+        return sum(map(len, self._of.values()))
+
+    def received(self, delivery: amqp.Delivery) -> None:
+        self._of[delivery.channel].received(delivery.delivery_tag)
+
+    def done(self, delivery: amqp.Delivery) -> None:
+        acker = self._of.get(delivery.channel)
+        if acker is not None:
+            acker.done(delivery.delivery_tag)
+
+    def rejected(self, delivery: amqp.Delivery) -> None:
+        acker = self._of.get(delivery.channel)
+        if acker is not None:
+            acker.rejected(delivery.delivery_tag)
+
+    def ack_after(self, delivery: amqp.Delivery) -> Callable[[], None]:
+        """``Acker.ack_after`` for ``delivery``."""
+        acker = self._of.get(delivery.channel)
+        if acker is None:
+            return _nothing
+        return acker.ack_after(delivery.delivery_tag)
+
+    async def settled(self) -> None:
+        """Return once every delivery received so far, on every channel still read, is
+        settled and its ack sent."""
+        for acker in list(self._of.values()):
+            await acker.settled()
+
+    def flush(self) -> None:
+        for acker in self._of.values():
+            acker.flush()
+
+
+def _nothing() -> None:
+    pass

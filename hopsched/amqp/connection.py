@@ -578,8 +578,12 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed.done() or self._transport is None:
             self.abort()
             if self._transport is not None:  # lost already, or being closed: its socket too
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel
+                # that comes as the socket's loss completes (a relay session then
+                # waited for ever on a task that was to stop)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._lost), timeout_s)
+                    async with asyncio.timeout(timeout_s):
+                        await asyncio.shield(self._lost)
             return
         self._close_ok = self._loop.create_future()
         self.send(

@@ -480,7 +480,8 @@ class PolicyWatch:
             lost, self._connection, self._channel = self._connection, None, None
             if lost is not None and not lost.is_closed:  # its reader and callbacks too
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(lost.close(), CLOSE_TIMEOUT_S)
+                    async with asyncio.timeout(CLOSE_TIMEOUT_S):  # wait_for may lose a cancel
+                        await lost.close()
             self._connection = await connect(self.settings, name="hopsched-policy-watch")
         if self._channel is None or self._channel.is_closed:
             self._channel = await self._connection.channel()
@@ -495,7 +496,8 @@ class PolicyWatch:
         async def close_touches() -> None:
             if connection is not None and not connection.is_closed:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(connection.close(), CLOSE_TIMEOUT_S)
+                    async with asyncio.timeout(CLOSE_TIMEOUT_S):  # wait_for may lose a cancel
+                        await connection.close()
 
         await asyncio.gather(self._idle_consumers.close(), close_touches())
 

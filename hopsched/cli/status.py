@@ -185,12 +185,19 @@ def _status_problems(
         )
     ingress = depths.get(topology.ingress_queue)
     if ingress is not None and not ingress.consumers and ingress.messages:
+        if relay is not None and relay.consumers:  # relays run, and cannot consume it
+            remedy = (
+                "the relays running cannot consume it: their log says why "
+                '(docs/operations.md, "An ingress queue that does not answer")'
+            )
+        else:
+            remedy = f"start one (hopsched relay --prefix {settings.prefix})"
         problems.append(
             f"{ingress.messages} message(s) published with x-delay wait in "
             f"{topology.ingress_queue} and no relay consumes it: none of them is scheduled "
             "(nor known to get(), pending() or cancel) until one takes it in, and the delay "
             "of each counts from then unless the broker stamps its receipt (RabbitMQ >= "
-            f"3.12, docs/ingress.md): start one (hopsched relay --prefix {settings.prefix})"
+            f"3.12, docs/ingress.md): {remedy}"
         )
     return problems
 

@@ -316,7 +316,8 @@ class _Session:
         await requests.consume(name, self._request, self._lost(name), no_ack=True)
         left = REREAD_AFTER_S - (time.monotonic() - started)
         try:
-            error = await asyncio.wait_for(asyncio.shield(self.ended), timeout=max(left, 0))
+            async with asyncio.timeout(max(left, 0)):  # wait_for may lose a cancel (3.11)
+                error = await asyncio.shield(self.ended)
         except TimeoutError:
             log.info("look-ups: reading %s anew (every %.0f s)", self.stream, REREAD_AFTER_S)
             return

@@ -42,7 +42,7 @@ from hopsched.errors import (
 from hopsched.journal.records import parked_record
 
 if TYPE_CHECKING:
-    from hopsched.amqp.acks import Acker
+    from hopsched.amqp.acks import Ackers
     from hopsched.amqp.publisher import Publisher
     from hopsched.core.ladder import AvoidedSteps
     from hopsched.journal.cancels import CancelReader
@@ -96,6 +96,11 @@ class Refusals:
             f"it the relay's grant (`hopsched permissions --prefix {settings.prefix} "
             f"--role relay`, with --target-exchange for each target exchange): {grant}"
         )
+
+    def refuse(self, refusal: str) -> None:
+        """End the session with ``error(refusal)`` (from a task of its own)."""
+        if not self.future.done():
+            self.future.set_result(self.error(refusal))
 
     def own(self, detail: Any) -> bool:
         """Whether a publish to the prefix's own queues (a hop, parking) was refused for
@@ -153,7 +158,7 @@ class Parking:
 
     Args:
         publisher: the session's publisher (parking goes on the ladder lane; notices too).
-        acker: acks and nacks the session's deliveries.
+        acks: acks and nacks the session's deliveries (of each channel it reads).
         topology: the prefix's queue names.
         stats: the relay's counters.
         notices: the cancel stream's writer: notices of parked and handed-back messages.
@@ -167,7 +172,7 @@ class Parking:
         self,
         *,
         publisher: Publisher,
-        acker: Acker,
+        acks: Ackers,
         topology: Topology,
         stats: RelayStats,
         notices: CancelReader,
@@ -177,7 +182,7 @@ class Parking:
         refusals: Refusals,
     ) -> None:
         self.publisher = publisher
-        self.acker = acker
+        self.acks = acks
         self.topology = topology
         self.stats = stats
         self.notices = notices
@@ -281,10 +286,9 @@ class Parking:
         """The parked copy is confirmed: count it, journal it, say it; ack the delivery
         and free its held slot once its record is written (as a delivery's)."""
         self.stats.record_parked(park.kind)
-        tag = delivery.delivery_tag
 
         def recorded() -> None:
-            self.acker.done(tag)
+            self.acks.done(delivery)
             self.publisher.release(LADDER_LANE)
 
         headers = delivery.properties.headers if delivery.properties is not None else None
@@ -308,7 +312,7 @@ class Parking:
     def reject(self, delivery: amqp.Delivery, reason: str) -> None:
         """The last resort: the broker dead-letters it into the parking queue."""
         self.stats.record_rejected()
-        self.acker.rejected(delivery.delivery_tag)
+        self.acks.rejected(delivery)
         # its dead-lettered copy carries no reason: say it in the stream (parked list)
         self.notices.note_parked(self.publisher, schedule_id(delivery), "handed_back", reason)
         topology = self.topology

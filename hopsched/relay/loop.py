@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 
 from hopsched import amqp
-from hopsched.amqp.acks import Acker
+from hopsched.amqp.acks import Ackers
 from hopsched.amqp.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.broker.policy_watch import PolicyWatch
 from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
@@ -89,6 +89,7 @@ from hopsched.relay.detours import (
 )
 from hopsched.relay.holds import Holds
 from hopsched.relay.hop_timing import HopTiming
+from hopsched.relay.ingress_consumer import CONSUME_TIMEOUT_S, IngressConsumer
 from hopsched.relay.new_prefix import new_prefix_warning
 from hopsched.relay.stats import RelayStats
 from hopsched.settings import Settings
@@ -107,12 +108,6 @@ if TYPE_CHECKING:
 __all__ = ["Relay"]
 
 log = logging.getLogger("hopsched.relay")
-
-#: How long a relay waits for ``basic.consume`` on its queues, s, before it gives the
-#: session up and connects again: a quorum queue still starting after a node's restart
-#: (RabbitMQ 4.0.5) may never answer it, which held a relay in a test, consuming nothing
-#: for over a minute. A healthy broker answers in milliseconds, a loaded one in seconds.
-CONSUME_TIMEOUT_S = 15.0
 
 #: Bytes a held message costs beyond its body and properties (objects, timer entry).
 _HELD_OVERHEAD = 600
@@ -447,7 +442,6 @@ class _Session:
     handlers of ``hopsched.relay.detours``: ``Parking``, ``Retries``, ``Declarer`` and
     ``Refusals``."""
 
-    acker: Acker  # once consuming
     parking: Parking
     retries: Retries
 
@@ -492,6 +486,8 @@ class _Session:
         # a 403 for the prefix's own objects: the session ends, the relay exits
         self.refusals = Refusals(self.topology, self.settings)
         self.declarer = Declarer(self.settings, relay._connector.url)
+        #: the acks of the relay queue's consumer and the ingress's (``IngressConsumer``)
+        self.acks = Ackers()
 
     # --- the session's life ----------------------------------------------------------
 
@@ -504,10 +500,38 @@ class _Session:
             AccessRefusedError: the relay's user may not read or write one of the
                 prefix's objects (AMQP 403): not worth trying again.
         """
-        relay, topology = self.relay, self.topology
         channel, lost_stream = await self._start()
         cancelled = asyncio.Event()
         tags = await self._consume(channel, cancelled)
+        ingress_cancelled = asyncio.Event()
+        self.ingress = IngressConsumer(
+            url=self.relay._connector.url or "",
+            queue=self.topology.ingress_queue,
+            prefetch=self.settings.prefetch,
+            log_interval_s=self.settings.log_interval_s,
+            acks=self.acks,
+            on_delivery=self._ingested,
+            on_cancel=ingress_cancelled.set,
+            on_refused=self.refusals.refuse,
+        )
+        try:
+            self.ingress.start()
+            await self._consuming(channel, tags, (cancelled, ingress_cancelled), lost_stream)
+        finally:
+            await self.ingress.close(timeout_s=self.relay._time_left(1.0))
+
+    async def _consuming(
+        self,
+        channel: amqp.Channel,
+        tags: list[str],
+        cancels: tuple[asyncio.Event, asyncio.Event],
+        lost_stream: asyncio.Future[Any],
+    ) -> None:
+        """Serve until stopped (then drain), the connection goes or a refusal (raised);
+        ``cancels``: set when the broker cancels the relay queue's consumer, or the
+        ingress's (or finds it gone): then the prefix is declared again."""
+        relay, topology = self.relay, self.topology
+        cancelled, ingress_cancelled = cancels
         relay._consuming.set()
         log.info(
             "relay consuming %s on node %s (hopsched %s, prefetch %d, %s ladder %s, %s)",
@@ -521,7 +545,7 @@ class _Session:
         )
         torn_down: PrefixNotDeclaredError | None = None
         while True:
-            reasons = await self._woken(channel, cancelled, lost_stream)
+            reasons = await self._woken(channel, cancels, lost_stream)
             if "lost" in reasons:
                 if self.connection.closed.done():
                     raise self.connection.closed.result()
@@ -538,21 +562,32 @@ class _Session:
                 raise BrokerConnectionLost(
                     f"the broker cancelled the reading of {self.topology.cancel_stream}"
                 )
-            # The broker cancelled the consumer (e.g. the queue was deleted): declare the
+            # The broker cancelled a consumer (e.g. the queue was deleted): declare the
             # topology again and consume anew; deliveries held so far stay ours to ack.
             log.warning(
-                "the broker cancelled the relay's consumer (%s deleted?); declaring the "
+                "the broker cancelled the relay's consumer of %s (deleted?); declaring the "
                 "prefix's queues again and consuming again; the %d deliveries held are "
                 "delivered when due",
-                topology.relay_queue,
+                topology.relay_queue if cancelled.is_set() else topology.ingress_queue,
                 len(self.holds),
             )
-            cancelled.clear()
             await self.declarer.declare()
-            for tag in tags:  # the other consumer may be there still
-                with contextlib.suppress(ChannelClosedError):
-                    await channel.cancel(tag)
-            tags = await self._consume(channel, cancelled)
+            if cancelled.is_set():
+                cancelled.clear()
+                for tag in tags:  # the consumer may be there still
+                    with contextlib.suppress(ChannelClosedError):
+                        await channel.cancel(tag)
+                tags = await self._consume(channel, cancelled)
+            if ingress_cancelled.is_set():
+                ingress_cancelled.clear()
+                log.warning(
+                    "if %s was deleted, the bindings of the ingress exchanges to it went "
+                    "with it: x-delay messages published to them are unroutable until "
+                    "`hopsched ingress declare EXCHANGE --type TYPE` binds each again "
+                    "(`hopsched ingress list` names them)",
+                    topology.ingress_queue,
+                )
+            self.ingress.consume_again()
         await self._drain(channel, tags)
         if torn_down is not None:
             raise torn_down
@@ -586,10 +621,10 @@ class _Session:
             ) from None
         channel = await self.connection.channel()
         await channel.qos(self.settings.prefetch)
-        self.acker = Acker(channel)
+        self.acks.add(channel)
         self.parking = Parking(
             publisher=self.publisher,
-            acker=self.acker,
+            acks=self.acks,
             topology=self.topology,
             stats=self.stats,
             notices=self.relay.cancel_reader,
@@ -608,13 +643,17 @@ class _Session:
         return channel, lost_stream
 
     async def _woken(
-        self, channel: amqp.Channel, cancelled: asyncio.Event, lost_stream: asyncio.Future[Any]
+        self,
+        channel: amqp.Channel,
+        cancels: tuple[asyncio.Event, asyncio.Event],
+        lost_stream: asyncio.Future[Any],
     ) -> set[str]:
         """Wait until something ends or disturbs consuming; say what (one or more of
         ``stop``, ``cancelled``, ``lost``, ``stream``, ``refused``)."""
         waits: dict[asyncio.Future[Any], str] = {
             asyncio.ensure_future(self.relay._stopping.wait()): "stop",
-            asyncio.ensure_future(cancelled.wait()): "cancelled",
+            asyncio.ensure_future(cancels[0].wait()): "cancelled",
+            asyncio.ensure_future(cancels[1].wait()): "cancelled",
             asyncio.ensure_future(asyncio.shield(self.connection.closed)): "lost",
             asyncio.ensure_future(asyncio.shield(channel.closed)): "lost",
             asyncio.ensure_future(asyncio.shield(lost_stream)): "stream",
@@ -626,40 +665,33 @@ class _Session:
         return {waits[task] for task in done}
 
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
-        """Consume ``{prefix}.relay`` and ``{prefix}.ingress`` on ``channel``; their tags."""
-        tags = []
+        """Consume ``{prefix}.relay`` on ``channel``; its tag (``{prefix}.ingress`` has a
+        connection of its own: ``IngressConsumer``)."""
+        queue = self.topology.relay_queue
         # What waits in the relay queue already is a backlog: a hop from it that the relay
         # did not stamp cannot show whether it waited, so it is no sample of the clock.
-        declared = await channel.call(
-            commands.Queue.Declare(queue=self.topology.relay_queue, passive=True)
-        )
+        declared = await channel.call(commands.Queue.Declare(queue=queue, passive=True))
         if isinstance(declared, commands.Queue.DeclareOk):
             self.backlog = declared.message_count or 0
-        for queue, callback in (
-            (self.topology.relay_queue, self._received),
-            (self.topology.ingress_queue, self._ingested),
-        ):
-            try:
-                async with asyncio.timeout(CONSUME_TIMEOUT_S):
-                    tags.append(
-                        await channel.consume(
-                            queue,
-                            callback,
-                            lambda _: cancelled.set(),
-                            arguments=RELAY_CONSUMER_ARGUMENTS,
-                        )
-                    )
-            except TimeoutError:
-                raise BrokerUnavailableError(
-                    f"{queue} did not answer basic.consume within {CONSUME_TIMEOUT_S:g} s "
-                    "(a quorum queue still starting after a broker restart?)"
-                ) from None
-            except ChannelClosedError as error:
-                if error.reply_code == 403:
-                    refusal = f"the broker refused ({error}): this needs read permission on "
-                    raise self.refusals.error(refusal + queue) from None
-                raise
-        return tags
+        try:
+            async with asyncio.timeout(CONSUME_TIMEOUT_S):
+                tag = await channel.consume(
+                    queue,
+                    self._received,
+                    lambda _: cancelled.set(),
+                    arguments=RELAY_CONSUMER_ARGUMENTS,
+                )
+        except TimeoutError:
+            raise BrokerUnavailableError(
+                f"{queue} did not answer basic.consume within {CONSUME_TIMEOUT_S:g} s "
+                "(a quorum queue still starting after a broker restart?)"
+            ) from None
+        except ChannelClosedError as error:
+            if error.reply_code == 403:
+                refusal = f"the broker refused ({error}): this needs read permission on "
+                raise self.refusals.error(refusal + queue) from None
+            raise
+        return [tag]
 
     async def _missing(self, queue: str) -> bool:
         """Whether ``queue`` is gone (a passive declare answers 404)."""
@@ -768,29 +800,30 @@ class _Session:
             async with asyncio.timeout(self.relay._time_left(math.inf)):
                 for tag in tags:
                     await channel.cancel(tag)
-                if len(self.acker):
+                await self.ingress.stop_consuming()
+                if len(self.acks):
                     log.info(
                         "finishing %d unacked deliveries (held until due within the "
                         "shutdown timeout, or being published)",
-                        len(self.acker),
+                        len(self.acks),
                     )
-                await self.acker.settled()
+                await self.acks.settled()
                 await self.journal.settled()
-        self.acker.flush()
+        self.acks.flush()
         self.holds.cancel()  # the rest stays unacked: the broker delivers it again
 
     # --- consume → decide → publish → ack ----------------------------------------------
 
     def _received(self, delivery: amqp.Delivery) -> None:
         """Consume: a delivery from ``{prefix}.relay``, in the read that brought it."""
-        self.acker.received(delivery.delivery_tag)
+        self.acks.received(delivery)
         self.parking.guarded_call(delivery, self._route, delivery)  # no closure per delivery
 
     def _ingested(self, delivery: amqp.Delivery) -> None:
         """Consume: a delivery from ``{prefix}.ingress`` (``hopsched.core.ingress``): made a
         scheduled message, then routed as one (acked once its hop or delivery is
         confirmed); what cannot be scheduled is parked."""
-        self.acker.received(delivery.delivery_tag)
+        self.acks.received(delivery)
         self.parking.guarded_call(delivery, self._ingest, delivery)
 
     def _ingest(self, delivery: amqp.Delivery) -> None:
@@ -826,7 +859,7 @@ class _Session:
             return
         # Acked from the ingress only once this record is written too: a crash between
         # the ack and the write would leave the id unknown to look-ups.
-        written = self.acker.ack_after(delivery.delivery_tag)
+        written = self.acks.ack_after(delivery)
         self.journal.add(ingested_record(ingested.envelope, encoded, delivery.body, now), written)
         self._route(delivery, again=True)
 
@@ -841,7 +874,7 @@ class _Session:
 
         def enqueued(outcome: amqp.Outcome, detail: Any) -> None:
             if outcome is amqp.Outcome.ACK:
-                self.acker.done(delivery.delivery_tag)
+                self.acks.done(delivery)
             else:
                 self.parking.not_published(
                     delivery, f"ingress to {topology.relay_queue}", outcome, detail
@@ -871,7 +904,7 @@ class _Session:
         if fresh:  # its x-death time first: the clock's offset, if new
             backlog = self.backlog > 0 or delivery.redelivered
             self.backlog -= 1
-            if len(self.acker) >= max(1, self.settings.prefetch // 2):
+            if len(self.acks) >= max(1, self.settings.prefetch // 2):
                 self.crowded_at = time.monotonic()
             crowded = time.monotonic() - self.crowded_at < CROWDED_MEMORY_S
             timing = self.relay.hop_timing
@@ -905,12 +938,12 @@ class _Session:
             self.parking.park(delivery, decision)
         elif isinstance(decision, Cancel):
             if decision.superseded:
-                self._superseded(decision.envelope, delivery.delivery_tag)
+                self._superseded(decision.envelope, delivery)
             else:
                 self.stats.record_cancelled()
                 if decision.envelope.rule is not None:  # a recurring chain ends here
                     self.stats.chains_ended["cancelled"] += 1
-                self.acker.done(delivery.delivery_tag)
+                self.acks.done(delivery)
         else:
             envelope = decision.envelope
             if envelope.owner is None and self.relay.decider.signatures.enabled:
@@ -969,7 +1002,7 @@ class _Session:
             self.stats.record_cancelled()
             if envelope.rule is not None:  # a recurring chain ends here
                 self.stats.chains_ended["cancelled"] += 1
-            self.acker.done(final.delivery.delivery_tag)
+            self.acks.done(final.delivery)
         else:  # rescheduled: route it again, for its new due time
             self._route(final.delivery, again=True)
 
@@ -1047,7 +1080,7 @@ class _Session:
                     refreshed = refreshed_record(envelope, encoded, delivery.body, now)
                     self._ack_once_recorded(delivery, LADDER_LANE, refreshed)
                 else:
-                    self.acker.done(delivery.delivery_tag)
+                    self.acks.done(delivery)
             elif outcome is amqp.Outcome.RETURNED and not redeclared:
                 # The step queue is gone (an operator, an expires policy): declare it again.
                 self.declarer.redeclare(
@@ -1072,7 +1105,7 @@ class _Session:
         publish (``hold=True``) keeps on ``lane``."""
 
         def recorded() -> None:
-            self.acker.done(delivery.delivery_tag)
+            self.acks.done(delivery)
             self.publisher.release(lane)
 
         self.journal.add(record, recorded, hurry=self.publisher.waiting(lane))
@@ -1137,7 +1170,7 @@ class _Session:
         this one without its rule (``Decider.link``). Acked once the delivery is done: a
         crash before repeats both, at most a duplicate. A next occurrence the broker
         refuses parks this one with its rule: its replay goes on."""
-        delivery, tag = final.delivery, final.delivery.delivery_tag
+        delivery = final.delivery
         original = delivery.properties
         assert original is not None
         now = self.clock()
@@ -1148,7 +1181,7 @@ class _Session:
             self.parking.park(delivery, linked)
             return
         if isinstance(linked, Cancel):  # a copy of a lineage replaced
-            self._superseded(linked.envelope, tag)
+            self._superseded(linked.envelope, delivery)
             return
 
         def deliver(linked: Linked = linked) -> None:
@@ -1158,7 +1191,7 @@ class _Session:
                 stats.chains_ended[linked.ended_by] += 1
             if linked.deliver is None:  # missed, under catch_up="none"
                 stats.missed += 1
-                self.acker.done(tag)
+                self.acks.done(delivery)
                 return
             if now - linked.deliver.due_us > MISSED_AFTER_US:
                 stats.caught_up[linked.catch_up] += 1
@@ -1213,7 +1246,7 @@ class _Session:
             self._route(delivery, again=True)  # decide parks what does not verify
             return
         if isinstance(claim, Cancel):
-            self._superseded(claim.envelope, delivery.delivery_tag)
+            self._superseded(claim.envelope, delivery)
             return
         record, envelope = claim
         assert delivery.properties is not None
@@ -1240,7 +1273,7 @@ class _Session:
                 self.publisher, record, self.parking.guarded(delivery, claimed)
             )
 
-    def _superseded(self, envelope: Envelope, tag: int) -> None:
+    def _superseded(self, envelope: Envelope, delivery: amqp.Delivery) -> None:
         """Drop a copy of a recurring occurrence whose lineage another one replaced."""
         self.stats.superseded += 1
         log.info(
@@ -1250,7 +1283,7 @@ class _Session:
             envelope.due_us,
             envelope.lineage,
         )
-        self.acker.done(tag)
+        self.acks.done(delivery)
 
 
 def _held_size(delivery: amqp.Delivery) -> int:

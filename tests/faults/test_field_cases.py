@@ -27,10 +27,12 @@ from support.private_nodes import (
 from support.relays import RelayProcess
 
 import hopsched
+from hopsched.broker.ingress import bind_to_due_exchange, declare_ingress
 from hopsched.broker.objects import declare_topology
 from hopsched.broker.parked import list_parked, replay_parked
 from hopsched.core.clock import now_us
 from hopsched.core.envelope import Envelope
+from hopsched.core.ingress import Ingress
 
 pytestmark = pytest.mark.slow
 
@@ -410,3 +412,94 @@ async def test_relays_wait_for_a_cancellation_stream_a_crash_left_down(
     await collector.wait_for_ids({kept.schedule_id}, within=120)
     await asyncio.sleep(1.0)
     assert set(collector.counts()) == {kept.schedule_id}
+
+
+# an ingress queue whose quorum member is down ------------------------------------------
+
+
+async def _publish_once_consumed(
+    node: PrivateBroker, topology: hopsched.Topology, exchange: str, body: bytes
+) -> float:
+    """Once a relay consumes ``{prefix}.ingress`` again, publish ``body`` to ingress
+    ``exchange`` with an ``x-delay`` of 500 ms, confirmed; when it was published (s)."""
+
+    async def consumers() -> str:
+        return await node.rabbitmqctl(
+            "list_queues", "-q", "--no-table-headers", "name", "consumers"
+        )
+
+    async with asyncio.timeout(60):
+        while f"{topology.ingress_queue}\t1" not in (await consumers()).splitlines():  # noqa: ASYNC110
+            await asyncio.sleep(0.5)
+    connection = await aio_pika.connect(node.url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        entry = await channel.get_exchange(exchange)
+        published = time.time()
+        await entry.publish(aio_pika.Message(body, headers={"x-delay": 500}), "")
+    return published
+
+
+def _ra_member(queue: str, action: str) -> str:
+    """Erlang for ``rabbitmqctl eval``: stop or restart ``queue``'s Ra member on the node."""
+    return (
+        f'{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<"/">>, queue, <<"{queue}">>)), '
+        f"ra:{action}_server(quorum_queues, amqqueue:get_pid(Q))."
+    )
+
+
+async def test_a_relay_whose_ingress_queue_is_down_relays_the_ladder_and_takes_it_once_up(
+    private_broker: PrivateBroker,
+    prefix: str,
+    relays: Relays,
+    node_targets: Targets,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A quorum queue whose member is down answers ``basic.consume`` by closing the
+    connection (541), and one recovering after a crash may not answer at all (a CI run:
+    ``{prefix}.ingress`` silent after a ``kill -9``). On the relay's own connection either
+    stopped every delivery. Now the ladder is relayed meanwhile, the relay says which
+    queue and where the repair is, and once the member is back it consumes the ingress:
+    an ``x-delay`` message published then arrives once, never early."""
+    settings = node_settings(private_broker, prefix)
+    topology = hopsched.Topology.from_settings(settings)
+    await declare_topology(settings)
+    exchange = f"{prefix}-orders"
+    await declare_ingress(settings, Ingress(exchange, "fanout"))
+    target = await node_targets.queue()
+    await bind_to_due_exchange(settings, exchange, target.name)
+    await private_broker.rabbitmqctl("eval", _ra_member(topology.ingress_queue, "stop"))
+
+    relay = await relays.start(settings)
+    async with hopsched.Scheduler(settings) as scheduler:
+        laddered = await scheduler.schedule(b"ladder", delay=1.0, routing_key=target.name)
+    await target.wait_for_ids({laddered.schedule_id}, within=30)
+
+    def refusals() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cannot consume" in r.getMessage()]
+
+    await until(lambda: bool(refusals()), within=30)
+    assert topology.ingress_queue in refusals()[0], refusals()[0]
+    assert "docs/operations.md" in refusals()[0], refusals()[0]
+    assert relay.stats.ingested == 0
+
+    await private_broker.rabbitmqctl("eval", _ra_member(topology.ingress_queue, "restart"))
+    published = await _publish_once_consumed(private_broker, topology, exchange, b"x-delay")
+    received = await target.wait_for(2, within=60)
+    delayed = next(r for r in received if r.body == b"x-delay")
+    assert delayed.received_us / 1e6 >= published + 0.5 - 0.001
+
+    # The documented repair for a member that never comes back: delete the queue; the
+    # relay declares it again and consumes it, and says to bind the ingresses again.
+    await private_broker.rabbitmqctl("delete_queue", topology.ingress_queue)
+    await until(
+        lambda: any("hopsched ingress declare" in r.getMessage() for r in caplog.records), 60
+    )
+    await declare_ingress(settings, Ingress(exchange, "fanout"))
+    published = await _publish_once_consumed(private_broker, topology, exchange, b"again")
+    received = await target.wait_for(3, within=60)
+    await target.settle(1.0)
+    assert sorted(r.body for r in received) == [b"again", b"ladder", b"x-delay"]  # each once
+    again = next(r for r in received if r.body == b"again")
+    assert again.received_us / 1e6 >= published + 0.5 - 0.001
+    assert relay.stats.ingested == 2

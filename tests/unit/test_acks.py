@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hopsched.amqp.acks import Acker
+from hopsched.amqp.acks import Acker, Ackers
 
 
 class RecordingChannel:
@@ -144,3 +144,50 @@ async def test_a_deferred_ack_waits_for_done_and_every_function_ack_after_gave(
     acker.flush()
     assert broker_view(channel.sent, tags) == {tag: "ack" for tag in tags}
     assert len(acker) == 0
+
+
+class FakeDelivery:
+    """What ``Ackers`` reads of a delivery: its channel and its tag on that channel."""
+
+    def __init__(self, channel: RecordingChannel, delivery_tag: int) -> None:
+        self.channel = channel
+        self.delivery_tag = delivery_tag
+
+
+@given(data=st.data())
+async def test_the_deliveries_of_two_channels_are_each_settled_on_their_own_channel(
+    data: Any,
+) -> None:
+    """The relay queue's consumer and the ingress's have their own channels, whose tags
+    both count from 1: each delivery is acked once, on the channel that brought it; one
+    whose channel was dropped (its connection gone) is left to the broker, and waiting
+    for the rest to settle does not wait for it."""
+    channels = [RecordingChannel(), RecordingChannel()]
+    ackers = Ackers()
+    for channel in channels:
+        ackers.add(channel)  # type: ignore[arg-type]
+    counts = [data.draw(st.integers(1, 30)) for _ in channels]
+    deliveries = [
+        FakeDelivery(c, tag)
+        for c, n in zip(channels, counts, strict=True)
+        for tag in range(1, n + 1)
+    ]
+    for delivery in deliveries:  # received in order per channel
+        ackers.received(delivery)  # type: ignore[arg-type]
+    assert len(ackers) == len(deliveries)
+    dropped = data.draw(st.sampled_from([None, *channels]))
+    for index, delivery in enumerate(data.draw(st.permutations(deliveries))):
+        if dropped is not None and index == len(deliveries) // 2:
+            ackers.discard(dropped)  # type: ignore[arg-type]
+        ackers.done(delivery)  # type: ignore[arg-type]
+        if data.draw(st.booleans()):
+            ackers.flush()
+    ackers.flush()
+    await ackers.settled()
+    assert len(ackers) == 0
+    for channel, count in zip(channels, counts, strict=True):
+        if channel is not dropped:
+            settled = broker_view(channel.sent, list(range(1, count + 1)))
+            assert settled == {tag: "ack" for tag in range(1, count + 1)}
+        else:
+            broker_view(channel.sent, list(range(1, count + 1)))  # nothing unknown, none twice
