@@ -56,6 +56,8 @@ class IngressConsumer:
             down), then calls ``consume_again()``.
         on_refused: called with the refusal if the broker answers 403 (no read
             permission): the session ends and the relay exits, as for its own queue.
+        session_closed: the session's connection's ``closed``: once done, a failure
+            here is the same loss, which the session handles (it closes this).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class IngressConsumer:
         on_delivery: Callable[[amqp.Delivery], None],
         on_cancel: Callable[[], None],
         on_refused: Callable[[str], None],
+        session_closed: asyncio.Future[Any],
     ) -> None:
         self.queue = queue
         self._params = amqp.ConnectionParams.from_url(url)
@@ -78,6 +81,7 @@ class IngressConsumer:
         self._on_delivery = on_delivery
         self._on_cancel = on_cancel
         self._on_refused = on_refused
+        self._session_closed = session_closed
         self._connection: amqp.Connection | None = None
         self._channel: amqp.Channel | None = None
         self._tag: str | None = None
@@ -109,10 +113,10 @@ class IngressConsumer:
         await self._drop(timeout_s)
 
     async def _end_task(self) -> None:
-        """Cancel the task until it ends: Python 3.11's ``asyncio.wait_for`` returns, the
-        cancel lost, when what it waits for completes at the same time (seen: a node
-        killed ends the connection and the session at once, and the session waited
-        for this task for ever)."""
+        """Cancel the task until it ends: a cancel can be lost (Python 3.11's
+        ``asyncio.wait_for`` returns, the cancel lost, when what it waits for completes
+        at the same time; hopsched's own waits use ``asyncio.timeout``), and the
+        session waits for this task as it ends (it waited for ever in one run)."""
         self._ending = True
         task = self._task
         while task is not None and not task.done():
@@ -125,6 +129,8 @@ class IngressConsumer:
             try:
                 await self._consume()
             except _TROUBLE as error:
+                if self._session_closed.done():  # the broker went: the session says so
+                    return
                 if isinstance(error, ChannelClosedError) and error.reply_code == 403:
                     self._on_refused(
                         f"the broker refused ({error}): this needs read permission on {self.queue}"
@@ -157,6 +163,8 @@ class IngressConsumer:
                 retries.reset()
             delay = RECONNECT_FIRST_S
             ended = await self._ended()
+            if self._session_closed.done():
+                return
             if ended is not None:
                 log.warning("lost the consumer of %s (%s); consuming it again", self.queue, ended)
                 await self._drop(1.0)

@@ -513,6 +513,7 @@ class _Session:
             on_delivery=self._ingested,
             on_cancel=ingress_cancelled.set,
             on_refused=self.refusals.refuse,
+            session_closed=self.connection.closed,
         )
         try:
             self.ingress.start()
