@@ -186,9 +186,10 @@ def teardown_refusal(
     if not busy:
         return None
     return (
-        f"not removed: {len(busy)} queue(s) in use: {', '.join(busy)}. Stop the relays and "
-        "let the messages be delivered (or replay or drop the parked ones), or use --force "
-        "to delete them with their messages. A cancelled message stays in its step until "
+        f"not removed: {len(busy)} queue(s) in use: {', '.join(busy)}. Let the relays "
+        "deliver the messages (those waiting in the ingress too: a relay takes them in), "
+        "replay or drop the parked ones, then stop the relays; or use --force to delete "
+        "the queues with their messages. A cancelled message stays in its step until "
         "its due time (up to 49.7 days in the top step) and counts here: `hopsched "
         "pending` lists what is still to be delivered"
     )

@@ -109,6 +109,13 @@ __all__ = ["Relay"]
 
 log = logging.getLogger("hopsched.relay")
 
+#: What a deleted ``{prefix}.ingress`` took with it: the routes from the ingresses.
+_BINDINGS_LOST = (
+    "the bindings of the prefix's ingress exchanges to it (if any) went with the old one: "
+    "x-delay messages published to them are unroutable until `hopsched ingress declare "
+    "EXCHANGE --type TYPE` binds each again (`hopsched ingress list` names them)"
+)
+
 #: Bytes a held message costs beyond its body and properties (objects, timer entry).
 _HELD_OVERHEAD = 600
 #: Publishes sent and not yet confirmed at most per lane (the ladder's, each target
@@ -581,13 +588,7 @@ class _Session:
                 tags = await self._consume(channel, cancelled)
             if ingress_cancelled.is_set():
                 ingress_cancelled.clear()
-                log.warning(
-                    "if %s was deleted, the bindings of the ingress exchanges to it went "
-                    "with it: x-delay messages published to them are unroutable until "
-                    "`hopsched ingress declare EXCHANGE --type TYPE` binds each again "
-                    "(`hopsched ingress list` names them)",
-                    topology.ingress_queue,
-                )
+                log.warning("if %s was deleted, %s", topology.ingress_queue, _BINDINGS_LOST)
             self.ingress.consume_again()
         await self._drain(channel, tags)
         if torn_down is not None:
@@ -597,7 +598,12 @@ class _Session:
         """Declare the topology, follow the cancel stream, open the consuming channel."""
         new = await self._missing(self.topology.relay_queue)
         journal_gone = not new and await self._missing(self.topology.journal_stream)
+        ingress_gone = not new and await self._missing(self.topology.ingress_queue)
         await self.declarer.declare()
+        if ingress_gone:  # deleted, or a prefix of a hopsched before ingresses
+            log.warning(
+                "%s was missing: declared it; %s", self.topology.ingress_queue, _BINDINGS_LOST
+            )
         if new:
             log.warning("%s", new_prefix_warning(self.topology, self.settings.masked_url))
         elif journal_gone:

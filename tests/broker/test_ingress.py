@@ -583,3 +583,41 @@ async def test_status_exits_1_when_x_delay_messages_wait_in_the_ingress_with_no_
     assert status == 1, (out, err)
     assert f"3 message(s) published with x-delay wait in {topology.ingress_queue}" in err
     assert "no relay consumes it" in err
+
+
+async def test_a_relay_that_finds_the_ingress_queue_deleted_says_to_bind_the_ingresses_again(
+    settings: hopsched.Settings,
+    relays: Any,
+    targets: Targets,
+    cleanup: Cleanup,
+    amqp: aio_pika.abc.AbstractConnection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``{prefix}.ingress`` deleted while no relay ran (an operator's repair of a queue
+    that did not answer, docs/operations.md): the next relay declares it, and says that
+    the ingresses' bindings went with it and how to bind them; bound again so, an
+    ``x-delay`` message arrives once, never early."""
+    exchange = f"{settings.prefix}-orders"
+    cleanup.exchanges.update({exchange, f"{settings.prefix}.due.{exchange}"})
+    topology = hopsched.Topology.from_settings(settings)
+    relay = await relays.start(settings)
+    await declare_ingress(settings, Ingress(exchange, "fanout"))
+    target = await targets.queue()
+    await bind_to_due_exchange(settings, exchange, target.name)
+    await relays.stop(relay)
+    channel = await amqp.channel(publisher_confirms=True)
+    await channel.queue_delete(topology.ingress_queue)
+
+    caplog.clear()
+    await relays.start(settings)
+    said = [r.getMessage() for r in caplog.records if "was missing: declared it" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "hopsched ingress declare EXCHANGE --type TYPE" in said[0], said
+    await declare_ingress(settings, Ingress(exchange, "fanout"))
+    entry = await channel.get_exchange(exchange)
+    published = time.time()
+    await entry.publish(aio_pika.Message(b"x", headers={DELAY_HEADER: 300}), "")
+    received = await target.wait_for(1, within=15)
+    await target.settle(0.5)
+    assert len(target) == 1
+    assert received[0].received_us / 1e6 >= published + 0.3 - 0.001
