@@ -184,20 +184,27 @@ def _status_problems(
             f"{topology.relay_queue}: start one (hopsched relay --prefix {settings.prefix})"
         )
     ingress = depths.get(topology.ingress_queue)
-    if ingress is not None and not ingress.consumers and ingress.messages:
-        if relay is not None and relay.consumers:  # relays run, and cannot consume it
-            remedy = (
-                "the relays running cannot consume it: their log says why "
-                '(docs/operations.md, "An ingress queue that does not answer")'
-            )
-        else:
-            remedy = f"start one (hopsched relay --prefix {settings.prefix})"
+    relays_run = relay is not None and relay.consumers > 0
+    if relay is not None and ingress is None:
+        problems.append(
+            f"{topology.ingress_queue} is missing (deleted?): x-delay messages published to "
+            "the ingresses are unroutable. A relay declares it again (at once if one runs, "
+            "else at its start; or `hopsched declare`); then bind each ingress again: "
+            "`hopsched ingress declare EXCHANGE --type TYPE` (`hopsched ingress list`)"
+        )
+    elif ingress is not None and not ingress.consumers and relays_run:
+        problems.append(
+            f"relays consume {topology.relay_queue} but none consumes "
+            f"{topology.ingress_queue} ({ingress.messages} message(s) there): their log says "
+            'why (docs/operations.md, "An ingress queue that does not answer")'
+        )
+    elif ingress is not None and not ingress.consumers and ingress.messages:
         problems.append(
             f"{ingress.messages} message(s) published with x-delay wait in "
             f"{topology.ingress_queue} and no relay consumes it: none of them is scheduled "
             "(nor known to get(), pending() or cancel) until one takes it in, and the delay "
             "of each counts from then unless the broker stamps its receipt (RabbitMQ >= "
-            f"3.12, docs/ingress.md): {remedy}"
+            f"3.12, docs/ingress.md): start one (hopsched relay --prefix {settings.prefix})"
         )
     return problems
 

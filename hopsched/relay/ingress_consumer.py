@@ -21,6 +21,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pamqp import commands
+
 from hopsched import amqp
 from hopsched.amqp.acks import Ackers
 from hopsched.connect import CONNECT_TIMEOUT_S, RECONNECT_FIRST_S, RECONNECT_MAX_S, RetryLog
@@ -36,6 +38,10 @@ log = logging.getLogger("hopsched.relay")
 #: relay in a test, consuming nothing for over a minute. A healthy broker answers in
 #: milliseconds, a loaded one in seconds.
 CONSUME_TIMEOUT_S = 15.0
+
+#: How often a consuming relay asks the broker whether the ingress is there and
+#: consumed, s (``IngressConsumer._watch``): a passive declare.
+WATCH_S = 5.0
 
 #: What ends an attempt to consume the ingress (and is tried again).
 _TROUBLE = (BrokerUnavailableError, BrokerConnectionLost, ChannelClosedError, OSError, TimeoutError)
@@ -128,6 +134,12 @@ class IngressConsumer:
         while not self._ending:
             try:
                 await self._consume()
+                if retries.failures:
+                    log.info("consuming %s after %d failed tries", self.queue, retries.failures)
+                    retries.reset()
+                delay = RECONNECT_FIRST_S
+                await self._watch()
+                continue  # consume again
             except _TROUBLE as error:
                 if self._session_closed.done():  # the broker went: the session says so
                     return
@@ -154,20 +166,9 @@ class IngressConsumer:
                         delay,
                         more,
                     )
-                await self._drop(1.0)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_MAX_S)
-                continue
-            if retries.failures:
-                log.info("consuming %s after %d failed tries", self.queue, retries.failures)
-                retries.reset()
-            delay = RECONNECT_FIRST_S
-            ended = await self._ended()
-            if self._session_closed.done():
-                return
-            if ended is not None:
-                log.warning("lost the consumer of %s (%s); consuming it again", self.queue, ended)
-                await self._drop(1.0)
+            await self._drop(1.0)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX_S)
 
     async def _consume(self) -> None:
         """Connect and open a channel unless there is one; consume the queue."""
@@ -189,30 +190,59 @@ class IngressConsumer:
             )
         self.consuming.set()
 
-    async def _ended(self) -> Any:
-        """Wait until the channel or connection goes (its reason) or the session asks
-        for a consume again (None: the old consumer is cancelled, if still there)."""
-        assert self._channel is not None
-        assert self._connection is not None
-        waits: set[asyncio.Future[Any]] = {
-            asyncio.ensure_future(asyncio.shield(self._channel.closed)),
-            asyncio.ensure_future(asyncio.shield(self._connection.closed)),
-            asyncio.ensure_future(self._again.wait()),
-        }
+    async def _watch(self) -> None:
+        """While it consumes: return once the session asks for a consume again, or the
+        broker lists no consumer of the queue (the old consumer cancelled, if still
+        there); raise what ends it otherwise.
+
+        Every ``WATCH_S`` a passive declare asks whether the queue is there and
+        consumed: a quorum queue whose member stops (and one deleted then, which
+        RabbitMQ forces) tells its consumers nothing, and answers a passive declare
+        with no consumer (RabbitMQ 3.10.8); one deleted answers 404; one that does not
+        answer within ``CONSUME_TIMEOUT_S`` is in trouble too.
+
+        Raises:
+            ChannelClosedError, BrokerConnectionLost: the channel or connection went
+                (404: the queue is gone).
+            TimeoutError: the passive declare was not answered.
+        """
+        channel, connection = self._channel, self._connection
+        assert channel is not None
+        assert connection is not None
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                waits: set[asyncio.Future[Any]] = {
+                    asyncio.ensure_future(asyncio.shield(channel.closed)),
+                    asyncio.ensure_future(asyncio.shield(connection.closed)),
+                    asyncio.ensure_future(self._again.wait()),
+                }
+                try:
+                    await asyncio.wait(waits, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+                for closed in (channel.closed, connection.closed):
+                    if closed.done():
+                        raise closed.result()
+                if self._again.is_set():
+                    self._again.clear()
+                    break
+                async with asyncio.timeout(CONSUME_TIMEOUT_S):
+                    declared = await channel.call(
+                        commands.Queue.Declare(queue=self.queue, passive=True)
+                    )
+                if isinstance(declared, commands.Queue.DeclareOk) and not declared.consumer_count:
+                    log.warning(
+                        "%s lists no consumer, though this relay consumed it (its quorum "
+                        "member stopped?); consuming it again",
+                        self.queue,
+                    )
+                    break
         finally:
-            for wait in waits:
-                wait.cancel()
-        self.consuming.clear()
-        self._again.clear()
-        for closed in (self._channel.closed, self._connection.closed):
-            if closed.done():
-                return closed.result()
+            self.consuming.clear()
         if self._tag is not None:  # consume again: the old consumer may be there still
             with contextlib.suppress(*_TROUBLE):
-                await self._channel.cancel(self._tag)
-        return None
+                await channel.cancel(self._tag)
 
     async def _drop(self, timeout_s: float) -> None:
         """Close the connection (a channel the broker may never answer is not waited
@@ -230,8 +260,8 @@ class IngressConsumer:
 def _reason(error: BaseException) -> str:
     if isinstance(error, TimeoutError):
         return (
-            f"it did not answer basic.consume within {CONSUME_TIMEOUT_S:g} s: a quorum "
-            "queue still starting after a broker restart?"
+            f"it did not answer within {CONSUME_TIMEOUT_S:g} s: a quorum queue still "
+            "starting after a broker restart?"
         )
     text = str(error)
     if "541" in text:

@@ -573,9 +573,9 @@ class _Session:
             # The broker cancelled a consumer (e.g. the queue was deleted): declare the
             # topology again and consume anew; deliveries held so far stay ours to ack.
             log.warning(
-                "the broker cancelled the relay's consumer of %s (deleted?); declaring the "
-                "prefix's queues again and consuming again; the %d deliveries held are "
-                "delivered when due",
+                "the relay's consumer of %s was cancelled by the broker, or the queue is "
+                "gone (deleted?); declaring the prefix's queues again and consuming again; "
+                "the %d deliveries held are delivered when due",
                 topology.relay_queue if cancelled.is_set() else topology.ingress_queue,
                 len(self.holds),
             )

@@ -594,7 +594,8 @@ async def test_a_relay_that_finds_the_ingress_queue_deleted_says_to_bind_the_ing
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """``{prefix}.ingress`` deleted while no relay ran (an operator's repair of a queue
-    that did not answer, docs/operations.md): the next relay declares it, and says that
+    that did not answer, docs/operations.md): status says so (exit 1), the next relay
+    declares it, and says that
     the ingresses' bindings went with it and how to bind them; bound again so, an
     ``x-delay`` message arrives once, never early."""
     exchange = f"{settings.prefix}-orders"
@@ -607,6 +608,9 @@ async def test_a_relay_that_finds_the_ingress_queue_deleted_says_to_bind_the_ing
     await relays.stop(relay)
     channel = await amqp.channel(publisher_confirms=True)
     await channel.queue_delete(topology.ingress_queue)
+    status, out, err = await hopsched_cli("status", settings=settings)
+    assert status == 1, (out, err)
+    assert f"{topology.ingress_queue} is missing (deleted?)" in err, err
 
     caplog.clear()
     await relays.start(settings)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import aio_pika
 import pytest
-from support import Cleanup, Relays, Targets, schedule_all, until
+from support import Cleanup, Relays, Targets, hopsched_cli, schedule_all, until
 from support.private_nodes import (
     PrivateBroker,
     consume_after_restart,
@@ -460,7 +460,9 @@ async def test_a_relay_whose_ingress_queue_is_down_relays_the_ladder_and_takes_i
     ``{prefix}.ingress`` silent after a ``kill -9``). On the relay's own connection either
     stopped every delivery. Now the ladder is relayed meanwhile, the relay says which
     queue and where the repair is, and once the member is back it consumes the ingress:
-    an ``x-delay`` message published then arrives once, never early."""
+    an ``x-delay`` message published then arrives once, never early. A member stopped
+    under the consuming relay is found by its watch; the documented repair (delete the
+    queue, bind the ingresses again) brings it back (a new-user trial's case)."""
     settings = node_settings(private_broker, prefix)
     topology = hopsched.Topology.from_settings(settings)
     await declare_topology(settings)
@@ -489,8 +491,18 @@ async def test_a_relay_whose_ingress_queue_is_down_relays_the_ladder_and_takes_i
     delayed = next(r for r in received if r.body == b"x-delay")
     assert delayed.received_us / 1e6 >= published + 0.5 - 0.001
 
-    # The documented repair for a member that never comes back: delete the queue; the
-    # relay declares it again and consumes it, and says to bind the ingresses again.
+    # The member stops under the consuming relay (its consumer told nothing): the relay's
+    # watch finds the queue without a consumer and says it cannot consume it.
+    caplog.clear()
+    await private_broker.rabbitmqctl("eval", _ra_member(topology.ingress_queue, "stop"))
+    await until(lambda: bool(refusals()), within=60)
+    assert any("lists no consumer" in r.getMessage() for r in caplog.records)
+    status, out, err = await hopsched_cli("status", settings=settings)
+    assert status == 1, (out, err)
+    assert f"none consumes {topology.ingress_queue}" in err, err
+    # The documented repair for a member that never comes back: delete the queue (which
+    # RabbitMQ forces, the member down); the relay declares it again and consumes it,
+    # and says to bind the ingresses again.
     await private_broker.rabbitmqctl("delete_queue", topology.ingress_queue)
     await until(
         lambda: any("hopsched ingress declare" in r.getMessage() for r in caplog.records), 60
