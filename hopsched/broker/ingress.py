@@ -23,7 +23,7 @@ import uuid
 import aio_pika
 import aiormq
 
-from hopsched.broker.objects import exists
+from hopsched.broker.objects import UNBIND_HINT, exists
 from hopsched.connect import connect
 from hopsched.core.ingress import Ingress, IngressRegistry
 from hopsched.errors import (
@@ -159,7 +159,7 @@ async def remove_ingress(settings: Settings, exchange: str, *, force: bool = Fal
                     raise HopschedError(
                         f"not removed: {due} still has bindings (consumers waiting for "
                         f"{exchange}'s messages, and messages of it pending on the ladder "
-                        "would be parked at their due time). Unbind them, or use --force"
+                        "would be parked at their due time)" + UNBIND_HINT
                     ) from None
                 removed.append(due)
             if exchange in present:

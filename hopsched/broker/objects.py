@@ -52,6 +52,13 @@ __all__ = [
     "upgrade",
 ]
 
+#: How to unbind consumers from a due exchange (hopsched has no command for it).
+UNBIND_HINT = (
+    ". Unbind them (the management UI's page of the exchange, or `rabbitmqadmin delete "
+    "binding source=EXCHANGE destination=QUEUE destination_type=queue properties_key=KEY`), "
+    "or use --force"
+)
+
 log = logging.getLogger("hopsched.topology")
 
 Connection = aio_pika.abc.AbstractConnection
@@ -503,7 +510,7 @@ async def _delete_unless_bound(
             f"not removed: {', '.join(bound)} still bound (consumers' queues wait for the "
             "x-delay messages through it), so nothing else either"
             + (f" but the unused {', '.join(removed)}" if removed else "")
-            + ". Unbind them, or use --force"
+            + UNBIND_HINT
         )
     return removed
 

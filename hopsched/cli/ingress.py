@@ -141,7 +141,8 @@ def ingress_bind(
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--argument") from None
     due = run(bind_to_due_exchange(settings, exchange, queue, key, table), settings)
-    click.echo(f"bound queue {queue} to {due} (key {key!r})")
+    with_arguments = f", arguments {table}" if table else ""
+    click.echo(f"bound queue {queue} to {due} (key {key!r}{with_arguments})")
 
 
 @ingress.command("list")

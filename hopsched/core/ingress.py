@@ -157,8 +157,8 @@ def delay_ms(headers: Mapping[str, Any] | None) -> int:
         delay = int(text)
     else:
         raise ValueError(
-            f"header {DELAY_HEADER!r} is a {type(value).__name__}; it must be ms (an integer "
-            "or a numeric string)"
+            f"header {DELAY_HEADER!r} is a {type(value).__name__}; it must be ms (an integer, "
+            "a float, or a string of a whole number)"
         )
     return max(0, delay)
 
