@@ -89,7 +89,7 @@ from hopsched.relay.detours import (
 )
 from hopsched.relay.holds import Holds
 from hopsched.relay.hop_timing import HopTiming
-from hopsched.relay.ingress_consumer import CONSUME_TIMEOUT_S, IngressConsumer
+from hopsched.relay.ingress_consumer import CONSUME_TIMEOUT_S, WATCH_S, IngressConsumer
 from hopsched.relay.new_prefix import new_prefix_warning
 from hopsched.relay.stats import RelayStats
 from hopsched.settings import Settings
@@ -554,6 +554,10 @@ class _Session:
         torn_down: PrefixNotDeclaredError | None = None
         while True:
             reasons = await self._woken(channel, cancels, lost_stream)
+            if not reasons:  # WATCH_S without news: is the relay queue there, and consumed?
+                if await self._unconsumed(topology.relay_queue):
+                    cancelled.set()  # as the broker's cancel would: declare, consume again
+                continue
             if "lost" in reasons:
                 if self.connection.closed.done():
                     raise self.connection.closed.result()
@@ -656,7 +660,8 @@ class _Session:
         lost_stream: asyncio.Future[Any],
     ) -> set[str]:
         """Wait until something ends or disturbs consuming; say what (one or more of
-        ``stop``, ``cancelled``, ``lost``, ``stream``, ``refused``)."""
+        ``stop``, ``cancelled``, ``lost``, ``stream``, ``refused``); none after
+        ``WATCH_S`` without any."""
         waits: dict[asyncio.Future[Any], str] = {
             asyncio.ensure_future(self.relay._stopping.wait()): "stop",
             asyncio.ensure_future(cancels[0].wait()): "cancelled",
@@ -666,10 +671,42 @@ class _Session:
             asyncio.ensure_future(asyncio.shield(lost_stream)): "stream",
             asyncio.ensure_future(asyncio.shield(self.refusals.future)): "refused",
         }
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait(
+            waits, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED
+        )
         for task in pending:
             task.cancel()
         return {waits[task] for task in done}
+
+    async def _unconsumed(self, queue: str) -> bool:
+        """Whether ``queue`` is gone or lists no consumer, though the session consumes it:
+        a quorum queue whose member stops tells its consumers nothing, nor when it is
+        deleted then (RabbitMQ forces that), and ladder messages dead-lettered to a
+        deleted relay queue are dropped (``IngressConsumer._watch`` has the details)."""
+        channel = await self.connection.channel()
+        try:
+            async with asyncio.timeout(CONSUME_TIMEOUT_S):
+                declared = await channel.call(commands.Queue.Declare(queue=queue, passive=True))
+        except ChannelClosedError as error:
+            if error.reply_code != 404:
+                raise
+            log.warning("%s is gone (deleted?)", queue)
+            return True
+        except TimeoutError:  # a loaded broker: not worth ending the session for
+            log.warning("%s did not answer a passive declare within %g s", queue, CONSUME_TIMEOUT_S)
+            return False
+        finally:
+            with contextlib.suppress(ChannelClosedError, BrokerConnectionLost, TimeoutError):
+                async with asyncio.timeout(CONSUME_TIMEOUT_S):
+                    await channel.close()
+        if isinstance(declared, commands.Queue.DeclareOk) and not declared.consumer_count:
+            log.warning(
+                "%s lists no consumer, though this relay consumes it (its quorum member "
+                "stopped?); consuming it again",
+                queue,
+            )
+            return True
+        return False
 
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
         """Consume ``{prefix}.relay`` on ``channel``; its tag (``{prefix}.ingress`` has a
@@ -697,6 +734,15 @@ class _Session:
             if error.reply_code == 403:
                 refusal = f"the broker refused ({error}): this needs read permission on "
                 raise self.refusals.error(refusal + queue) from None
+            raise
+        except BrokerConnectionLost as error:
+            if error.reply_code == 541:  # RabbitMQ 3.10.8 for a quorum member that is down
+                raise BrokerConnectionLost(
+                    f"{error} at the basic.consume of {queue}: its quorum queue's member down? "
+                    "(`rabbitmq-queues quorum_status`)",
+                    error.reply_code,
+                    error.reply_text,
+                ) from None
             raise
         return [tag]
 

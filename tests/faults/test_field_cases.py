@@ -515,3 +515,35 @@ async def test_a_relay_whose_ingress_queue_is_down_relays_the_ladder_and_takes_i
     again = next(r for r in received if r.body == b"again")
     assert again.received_us / 1e6 >= published + 0.5 - 0.001
     assert relay.stats.ingested == 2
+
+
+async def test_a_relay_queue_deleted_under_a_member_that_is_down_is_declared_again(
+    private_broker: PrivateBroker,
+    prefix: str,
+    relays: Relays,
+    node_targets: Targets,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A relay queue whose quorum member stops tells the consuming relay nothing, nor
+    when it is deleted then (RabbitMQ forces that): the step messages dead-lettered
+    meanwhile would be dropped, no queue being bound to ``{prefix}.expired``. The relay's
+    watch finds the queue without a consumer, says it cannot relay, and once the queue
+    is gone declares it again: a message waiting on a step arrives once, never early."""
+    settings = node_settings(private_broker, prefix)
+    topology = hopsched.Topology.from_settings(settings)
+    await relays.start(settings)
+    target = await node_targets.queue()
+    async with hopsched.Scheduler(settings) as scheduler:
+        waiting = await scheduler.schedule(b"on a step", delay=20.0, routing_key=target.name)
+    await private_broker.rabbitmqctl("eval", _ra_member(topology.relay_queue, "stop"))
+
+    def said(text: str) -> bool:
+        return any(text in r.getMessage() for r in caplog.records)
+
+    await until(lambda: said(f"{topology.relay_queue} lists no consumer"), within=30)
+    await until(lambda: said("cannot relay yet"), within=60)
+    await private_broker.rabbitmqctl("delete_queue", topology.relay_queue)
+    received = await target.wait_for_ids({waiting.schedule_id}, within=90)
+    await target.settle(1.0)
+    assert len(target) == 1
+    assert received[0].lateness_us >= 0
