@@ -33,7 +33,7 @@ from hopsched import amqp
 from hopsched.amqp.acks import Ackers
 from hopsched.amqp.publisher import LADDER_LANE, Publisher, target_lane
 from hopsched.broker.policy_watch import PolicyWatch
-from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector
+from hopsched.connect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connector, RetryLog
 from hopsched.core.cancel import CANCEL, Cancellations
 from hopsched.core.clock import now_us
 from hopsched.core.decide import Cancel, Decider, Linked, Park, ParkKind, Wait
@@ -308,6 +308,7 @@ class Relay:
         connections: AsyncIterator[amqp.Connection] = aiter(self._connector)
         served = 0
         delay = RECONNECT_FIRST_S  # before trying again a session that never consumed
+        not_yet = RetryLog(self.settings.log_interval_s)  # such sessions, in a row
         try:
             while (connection := await self._unless_stopping(anext(connections))) is not None:
                 served += 1
@@ -319,13 +320,18 @@ class Relay:
                 except (BrokerUnavailableError, ChannelClosedError) as error:
                     if self._consuming.is_set():  # lost mid-way: reconnect at once
                         delay = RECONNECT_FIRST_S
+                        not_yet.reset()
                         log.warning(
                             "lost the connection to %s (%s); reconnecting",
                             self._connector.node,
                             error,
                         )
                     else:  # connected but could not start (e.g. a queue is down)
-                        log.error("cannot relay yet: %s; trying again in %.1f s", error, delay)
+                        said, more = not_yet.say()
+                        if said:
+                            log.error(
+                                "cannot relay yet: %s; trying again in %.1f s%s", error, delay, more
+                            )
                         await connection.close(timeout_s=self._time_left(1.0))
                         await self._unless_stopping(asyncio.sleep(delay))
                         delay = min(delay * 2, RECONNECT_MAX_S)
@@ -600,7 +606,10 @@ class _Session:
 
     async def _start(self) -> tuple[amqp.Channel, asyncio.Future[Any]]:
         """Declare the topology, follow the cancel stream, open the consuming channel."""
-        new = await self._missing(self.topology.relay_queue)
+        relay_gone = await self._missing(self.topology.relay_queue)
+        # a prefix whose relay queue alone went (an operator's deletion) is no new one:
+        # the advice to tear it down would take its ladder's messages with it
+        new = relay_gone and await self._missing(self.topology.parked_queue)
         journal_gone = not new and await self._missing(self.topology.journal_stream)
         ingress_gone = not new and await self._missing(self.topology.ingress_queue)
         await self.declarer.declare()
@@ -610,7 +619,15 @@ class _Session:
             )
         if new:
             log.warning("%s", new_prefix_warning(self.topology, self.settings.masked_url))
-        elif journal_gone:
+        elif relay_gone:
+            log.warning(
+                "%s was missing (deleted?): declared it again. What it held went with it "
+                "(messages held or due: check `hopsched pending`), and step queues may "
+                "hold their expired messages for minutes before they come (docs/operations."
+                'md, "Running the relay")',
+                self.topology.relay_queue,
+            )
+        if journal_gone:
             log.warning(
                 "%s was missing (deleted, or the prefix declared by a hopsched before the "
                 "journal): declared it; get() and pending() know a schedule made before "

@@ -132,3 +132,26 @@ async def test_a_relay_on_a_prefix_that_does_not_exist_says_so_loudly(
         "with the schedulers' prefix"
     )
     assert "guest:guest" not in warned[0].getMessage()
+
+
+async def test_a_relay_that_finds_only_its_queue_gone_does_not_call_the_prefix_new(
+    settings: hopsched.Settings,
+    relays: Relays,
+    amqp: aio_pika.abc.AbstractConnection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a new-user trial: with ``{prefix}.relay`` alone deleted (an operator's
+    repair), the next relay said the prefix did not exist and advised a teardown, which
+    would have removed the step queues and what they held. It says what was missing."""
+    caplog.set_level(logging.WARNING, "hopsched.relay")
+    topology = hopsched.Topology.from_settings(settings)
+    await relays.stop(await relays.start(settings))
+    channel = await amqp.channel()
+    await channel.queue_delete(topology.relay_queue)
+    caplog.clear()
+
+    await relays.start(settings)
+
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "did not exist" in m], said
+    assert any(m.startswith(f"{topology.relay_queue} was missing (deleted?)") for m in said), said
