@@ -29,7 +29,7 @@ from hopsched.connect import CONNECT_TIMEOUT_S, RECONNECT_FIRST_S, RECONNECT_MAX
 from hopsched.errors import BrokerConnectionLost, BrokerUnavailableError, ChannelClosedError
 from hopsched.topology import RELAY_CONSUMER_ARGUMENTS
 
-__all__ = ["CONSUME_TIMEOUT_S", "IngressConsumer"]
+__all__ = ["CONSUME_TIMEOUT_S", "WATCH_S", "IngressConsumer", "unconsumed"]
 
 log = logging.getLogger("hopsched.relay")
 
@@ -94,8 +94,6 @@ class IngressConsumer:
         self._again = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._ending = False
-        #: set while it consumes (tests and the stop line read it)
-        self.consuming = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"consume {self.queue}")
@@ -188,7 +186,6 @@ class IngressConsumer:
                 lambda _: self._on_cancel(),
                 arguments=RELAY_CONSUMER_ARGUMENTS,
             )
-        self.consuming.set()
 
     async def _watch(self) -> None:
         """While it consumes: return once the session asks for a consume again, or the
@@ -209,37 +206,29 @@ class IngressConsumer:
         channel, connection = self._channel, self._connection
         assert channel is not None
         assert connection is not None
-        try:
-            while True:
-                waits: set[asyncio.Future[Any]] = {
-                    asyncio.ensure_future(asyncio.shield(channel.closed)),
-                    asyncio.ensure_future(asyncio.shield(connection.closed)),
-                    asyncio.ensure_future(self._again.wait()),
-                }
-                try:
-                    await asyncio.wait(waits, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for wait in waits:
-                        wait.cancel()
-                for closed in (channel.closed, connection.closed):
-                    if closed.done():
-                        raise closed.result()
-                if self._again.is_set():
-                    self._again.clear()
-                    break
-                async with asyncio.timeout(CONSUME_TIMEOUT_S):
-                    declared = await channel.call(
-                        commands.Queue.Declare(queue=self.queue, passive=True)
-                    )
-                if isinstance(declared, commands.Queue.DeclareOk) and not declared.consumer_count:
-                    log.warning(
-                        "%s lists no consumer, though this relay consumed it (its quorum "
-                        "member stopped?); consuming it again",
-                        self.queue,
-                    )
-                    break
-        finally:
-            self.consuming.clear()
+        while True:
+            waits: set[asyncio.Future[Any]] = {
+                asyncio.ensure_future(asyncio.shield(channel.closed)),
+                asyncio.ensure_future(asyncio.shield(connection.closed)),
+                asyncio.ensure_future(self._again.wait()),
+            }
+            try:
+                await asyncio.wait(waits, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            for closed in (channel.closed, connection.closed):
+                if closed.done():
+                    raise closed.result()
+            if self._again.is_set():
+                self._again.clear()
+                break
+            async with asyncio.timeout(CONSUME_TIMEOUT_S):
+                declared = await channel.call(
+                    commands.Queue.Declare(queue=self.queue, passive=True)
+                )
+            if unconsumed(self.queue, declared):
+                break
         if self._tag is not None:  # consume again: the old consumer may be there still
             with contextlib.suppress(*_TROUBLE):
                 await channel.cancel(self._tag)
@@ -247,7 +236,6 @@ class IngressConsumer:
     async def _drop(self, timeout_s: float) -> None:
         """Close the connection (a channel the broker may never answer is not waited
         for: the connection goes)."""
-        self.consuming.clear()
         connection, channel = self._connection, self._channel
         self._connection = self._channel = None
         self._tag = None
@@ -255,6 +243,19 @@ class IngressConsumer:
             self._acks.discard(channel)
         if connection is not None:
             await connection.close(timeout_s=timeout_s)
+
+
+def unconsumed(queue: str, declared: object) -> bool:
+    """Whether ``declared``, the answer to a passive declare of ``queue``, which this
+    relay consumes, lists no consumer (its quorum member stopped: ``_watch``); says so."""
+    if isinstance(declared, commands.Queue.DeclareOk) and not declared.consumer_count:
+        log.warning(
+            "%s lists no consumer, though this relay consumes it (its quorum member "
+            "stopped?); consuming it again",
+            queue,
+        )
+        return True
+    return False
 
 
 def _reason(error: BaseException) -> str:

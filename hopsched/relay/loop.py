@@ -89,7 +89,12 @@ from hopsched.relay.detours import (
 )
 from hopsched.relay.holds import Holds
 from hopsched.relay.hop_timing import HopTiming
-from hopsched.relay.ingress_consumer import CONSUME_TIMEOUT_S, WATCH_S, IngressConsumer
+from hopsched.relay.ingress_consumer import (
+    CONSUME_TIMEOUT_S,
+    WATCH_S,
+    IngressConsumer,
+    unconsumed,
+)
 from hopsched.relay.new_prefix import new_prefix_warning
 from hopsched.relay.stats import RelayStats
 from hopsched.settings import Settings
@@ -700,30 +705,16 @@ class _Session:
         a quorum queue whose member stops tells its consumers nothing, nor when it is
         deleted then (RabbitMQ forces that), and ladder messages dead-lettered to a
         deleted relay queue are dropped (``IngressConsumer._watch`` has the details)."""
-        channel = await self.connection.channel()
         try:
             async with asyncio.timeout(CONSUME_TIMEOUT_S):
-                declared = await channel.call(commands.Queue.Declare(queue=queue, passive=True))
-        except ChannelClosedError as error:
-            if error.reply_code != 404:
-                raise
-            log.warning("%s is gone (deleted?)", queue)
-            return True
+                declared = await self._declared(queue)
         except TimeoutError:  # a loaded broker: not worth ending the session for
             log.warning("%s did not answer a passive declare within %g s", queue, CONSUME_TIMEOUT_S)
             return False
-        finally:
-            with contextlib.suppress(ChannelClosedError, BrokerConnectionLost, TimeoutError):
-                async with asyncio.timeout(CONSUME_TIMEOUT_S):
-                    await channel.close()
-        if isinstance(declared, commands.Queue.DeclareOk) and not declared.consumer_count:
-            log.warning(
-                "%s lists no consumer, though this relay consumes it (its quorum member "
-                "stopped?); consuming it again",
-                queue,
-            )
+        if declared is None:
+            log.warning("%s is gone (deleted?)", queue)
             return True
-        return False
+        return unconsumed(queue, declared)
 
     async def _consume(self, channel: amqp.Channel, cancelled: asyncio.Event) -> list[str]:
         """Consume ``{prefix}.relay`` on ``channel``; its tag (``{prefix}.ingress`` has a
@@ -765,16 +756,20 @@ class _Session:
 
     async def _missing(self, queue: str) -> bool:
         """Whether ``queue`` is gone (a passive declare answers 404)."""
+        return await self._declared(queue) is None
+
+    async def _declared(self, queue: str) -> Any:
+        """The broker's answer to a passive declare of ``queue`` (``Queue.DeclareOk``: its
+        depth and consumers) on a channel of its own; None if it is gone (404)."""
         channel = await self.connection.channel()
         try:
-            await channel.call(commands.Queue.Declare(queue=queue, passive=True))
+            return await channel.call(commands.Queue.Declare(queue=queue, passive=True))
         except ChannelClosedError as error:
             if error.reply_code == 404:
-                return True
+                return None
             raise
         finally:
             await channel.close()
-        return False
 
     def _journal_returned(self, records: list[JournalRecord]) -> None:
         """A batch of records came back unroutable: see whether the journal is gone."""
