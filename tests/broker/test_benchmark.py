@@ -386,3 +386,23 @@ def test_a_tiny_run_per_ladder_gives_the_relay_and_the_scheduler_that_ladder(
         assert (row["delivered"], row["lost"], row["early"]) == (20, 0, 0), name
     assert strategies["hopsched-quorum/ratio4"]["ladder"].startswith("step_ratio=4,")
     assert strategies["hopsched-quorum"]["ladder"].startswith("step_ratio=2,")
+
+
+def test_a_tiny_client_floor_run_measures_every_row_and_leaves_nothing(
+    broker_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "floor.json"
+    command = [
+        sys.executable, "-P", str(BENCHMARKS / "client_floor.py"), "--url", broker_url,
+        "--count", "30", "--rate", "100", "--rounds", "1", "--json", str(out),
+    ]  # fmt: skip
+    result = _run(command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    relay_rows = ("ack", "publish-ack", "hold", "relay")
+    for row in ("publish", "publish2", *relay_rows):
+        (figures,) = report["runs"][row]
+        assert figures["cpu_us_per_message"] >= 0, row  # CPU time is read in ticks
+        assert 0 <= figures["system_share"] <= 1, row
+        assert f"| {report['rows'][row]} |" in result.stdout
+    assert len(report["runs"]["schedule"]) == len(relay_rows)  # it feeds each relay row
