@@ -282,12 +282,23 @@ def relay_row(
     return relay_figures, scheduled
 
 
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text}: must be above 0")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names it: "invalid float value: 'x'"
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=os.environ.get("HOPSCHED_URL", Settings().url))
-    parser.add_argument("--count", type=int, default=5000)
-    parser.add_argument("--rate", type=float, default=500.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--count", type=_positive(int), default=5000, help="messages per row")
+    parser.add_argument("--rate", type=_positive(float), default=500.0, help="messages per s")
+    parser.add_argument("--rounds", type=_positive(int), default=3, help="runs of every row")
     parser.add_argument("--json")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -310,7 +321,11 @@ def main() -> None:
     run = uuid.uuid4().hex[:8]
     figures: dict[str, list[dict[str, float]]] = {row: [] for row in ROWS}
     sink = f"hopsched-floor-{run}-sink"
-    asyncio.run(_declare(url, sink, quorum=True))
+    try:
+        asyncio.run(_declare(url, sink, quorum=True))
+    except OSError as error:  # BrokerUnavailableError, a refused connect
+        masked = amqp.ConnectionParams.from_url(url).masked_url
+        parser.exit(2, f"client_floor.py: no broker to measure on at {masked}: {error}\n")
     try:
         for round_ in range(args.rounds):
             for connections, row in ((1, "publish"), (2, "publish2")):
