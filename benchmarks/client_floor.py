@@ -32,6 +32,7 @@ import asyncio
 import json
 import math
 import os
+import platform
 import random
 import resource
 import signal
@@ -83,6 +84,14 @@ def _per_message(before: tuple[float, float], after: tuple[float, float], count:
     total = user + system
     share = system / total if total else 0.0  # a tiny run may read no tick at all
     return {"cpu_us_per_message": total / count * 1e6, "system_share": share}
+
+
+def _loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
 
 
 def _run_loop(main: Any) -> Any:
@@ -211,7 +220,8 @@ def _wait_for(what: str, ready: Callable[[], bool], within_s: float = 120.0) -> 
         time.sleep(0.2)
 
 
-async def _declare(url: str, queue: str, quorum: bool) -> None:
+async def _declare(url: str, queue: str, quorum: bool) -> str:
+    """Declare ``queue``; the broker's name and version, as it gives them."""
     connection = await amqp.connect(amqp.ConnectionParams.from_url(url))
     try:
         channel = await connection.channel()
@@ -219,6 +229,8 @@ async def _declare(url: str, queue: str, quorum: bool) -> None:
         if quorum:  # bounded: the publish rows' messages are never consumed
             arguments = {"x-queue-type": "quorum", "x-max-length": 10_000}
         await channel.call(commands.Queue.Declare(queue=queue, durable=True, arguments=arguments))
+        said = connection.server_properties
+        return f"{said.get('product', '?')} {said.get('version', '?')}"
     finally:
         await connection.close()
 
@@ -321,8 +333,9 @@ def main() -> None:
     run = uuid.uuid4().hex[:8]
     figures: dict[str, list[dict[str, float]]] = {row: [] for row in ROWS}
     sink = f"hopsched-floor-{run}-sink"
+    load_before = os.getloadavg()[0]
     try:
-        asyncio.run(_declare(url, sink, quorum=True))
+        broker = asyncio.run(_declare(url, sink, quorum=True))
     except OSError as error:  # BrokerUnavailableError, a refused connect
         masked = amqp.ConnectionParams.from_url(url).masked_url
         parser.exit(2, f"client_floor.py: no broker to measure on at {masked}: {error}\n")
@@ -347,23 +360,35 @@ def main() -> None:
         text=True,
         check=False,
     ).stdout.strip()
+    machine = {
+        "broker": broker,
+        "python": platform.python_version(),
+        "event_loop": _loop_name(),
+        "cpu_count": os.cpu_count(),
+        "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
     print(
         f"{args.count:,} messages at {args.rate:g}/s, {args.rounds} rounds, hopsched {commit}, "
-        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+        f"{broker}, Python {machine['python']} on {machine['event_loop']}, "
+        f"{machine['cpu_count']} CPUs, 1-minute load {load_before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after"
     )
-    print("\n| row | CPU µs per message, median | range | of it in the kernel |")
-    print("| --- | --- | --- | --- |")
+    print("\n| row | runs | CPU µs per message, median | range | of it in the kernel |")
+    print("| --- | --- | --- | --- | --- |")
     for row, label in ROWS.items():
         values = [run["cpu_us_per_message"] for run in figures[row]]
         kernel = statistics.median(run["system_share"] for run in figures[row])
         low, high, median = min(values), max(values), statistics.median(values)
-        print(f"| {label} | {median:.0f} | {low:.0f} to {high:.0f} | {kernel:.0%} |")
+        print(
+            f"| {label} | {len(values)} | {median:.0f} | {low:.0f} to {high:.0f} | {kernel:.0%} |"
+        )
     if args.json:
         result = {
             "commit": commit,
             "count": args.count,
             "rate": args.rate,
             "rounds": args.rounds,
+            "machine": machine,
             "runs": figures,
             "rows": ROWS,
         }
