@@ -43,9 +43,13 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, cast
 
 from pamqp import commands
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_strategies import relay_command
 
 from hopsched import Scheduler, Settings, amqp
 from hopsched.core.clock import now_us
@@ -63,6 +67,11 @@ ROWS = {
 }
 RELAY_ROWS = ("ack", "publish-ack", "hold", "relay")
 HOPSCHED = (sys.executable, "-P", "-m", "hopsched")
+_UVLOOP: ModuleType | None
+try:
+    import uvloop as _UVLOOP  # hopsched[fast]
+except ImportError:
+    _UVLOOP = None
 
 
 def _cpu_s() -> tuple[float, float]:
@@ -86,20 +95,9 @@ def _per_message(before: tuple[float, float], after: tuple[float, float], count:
     return {"cpu_us_per_message": total / count * 1e6, "system_share": share}
 
 
-def _loop_name() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
-
-
 def _run_loop(main: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+    """Run ``main`` on the loop the relay runs on: uvloop where installed."""
+    return asyncio.run(main) if _UVLOOP is None else _UVLOOP.run(main)
 
 
 # --- the measured processes ----------------------------------------------------------------
@@ -260,7 +258,7 @@ def relay_row(
         check=True,
     )
     if row == "relay":
-        command = [*HOPSCHED, "relay", "--url", url, "--prefix", prefix]
+        command = relay_command(url, prefix, Settings().prefetch)  # as accuracy.py runs it
     else:
         command = _child("--role", "bare-relay", "--mode", row, "--url", url)
         command += ["--source", f"{prefix}.relay", "--target", target]
@@ -363,7 +361,7 @@ def main() -> None:
     machine = {
         "broker": broker,
         "python": platform.python_version(),
-        "event_loop": _loop_name(),
+        "event_loop": "asyncio" if _UVLOOP is None else "uvloop",
         "cpu_count": os.cpu_count(),
         "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
